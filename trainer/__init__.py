@@ -1,0 +1,1 @@
+"""Fine-tuning kit trainer package: config, families, data, loop, checkpoints, run logs."""
