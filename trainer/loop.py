@@ -1,0 +1,580 @@
+"""The training loop: setup helpers first, then ``train()``, readable top to bottom.
+
+forward -> backward (accumulate) -> clip -> step -> schedule -> log -> evaluate -> checkpoint.
+The loss is normalised by the target tokens of the whole accumulated batch across micro-batches
+and ranks, so micro-batch 4 x accumulation 4 gives the gradients of one batch of 16.
+Rank 0 writes the run folder; every rank trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from trainer import checkpoints as ckpt
+from trainer import runlog
+from trainer.config import Config, dump_config
+from trainer.data import IGNORE, Sequence, collate, epoch_order, prepare_data
+from trainer.experts import ExpertCounter
+from trainer.modeling import load_for_training
+from trainer.telemetry import TelemetrySampler
+
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+# ---------------------------------------------------------------- setup helpers
+
+
+def make_accelerator(cfg: Config):
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    kwargs = {}
+    if cfg.logging.report_to:
+        kwargs.update(log_with=cfg.logging.report_to, project_dir=cfg.paths.output_dir)
+    return Accelerator(
+        mixed_precision=cfg.training.mixed_precision,
+        dataloader_config=DataLoaderConfiguration(non_blocking=cfg.performance.pin_memory),
+        **kwargs,
+    )
+
+
+def make_optimizer(model, cfg: Config, on_cuda: bool):
+    """AdamW, or bitsandbytes' 8-bit / paged variants (CUDA only: they page through unified memory)."""
+    o = cfg.optimization
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {"lr": o.learning_rate, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_epsilon}
+    if o.optimizer == "adamw":
+        return torch.optim.AdamW(groups, **kwargs)
+    if not on_cuda:
+        raise RuntimeError(f"optimization.optimizer: {o.optimizer} needs a CUDA GPU; use adamw on CPU")
+    import bitsandbytes as bnb
+
+    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+           "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[o.optimizer]
+    return cls(groups, **kwargs)
+
+
+def warmup_steps(cfg: Config, total_steps: int) -> int:
+    o = cfg.optimization
+    return o.warmup_steps if o.warmup_steps > 0 else int(math.ceil(o.warmup_ratio * total_steps))
+
+
+def make_scheduler(optimizer, cfg: Config, total_steps: int):
+    from transformers import get_scheduler
+
+    o = cfg.optimization
+    name, extra = o.lr_scheduler, {}
+    warmup = warmup_steps(cfg, total_steps)
+    if name == "constant":
+        name = "constant_with_warmup"
+    elif name == "cosine" and o.min_lr_ratio > 0:
+        name, extra = "cosine_with_min_lr", {"min_lr_rate": o.min_lr_ratio}
+    elif name == "polynomial":
+        extra = {"power": o.polynomial_power, "lr_end": o.learning_rate * o.min_lr_ratio}
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+                         scheduler_specific_kwargs=extra or None)
+
+
+@dataclass
+class Position:
+    """Where the loop is in the data: epoch and rows consumed within it (global, all ranks)."""
+
+    epoch: int = 0
+    row: int = 0
+
+
+def next_step_rows(train_rows: int, rows_per_step: int, seed: int, pos: Position) -> tuple[list[int], Position]:
+    """Row ids for the next optimizer step; a partial remainder at an epoch's end is dropped."""
+    if pos.row + rows_per_step > train_rows:
+        pos = Position(pos.epoch + 1, 0)
+    order = epoch_order(train_rows, seed, pos.epoch)
+    return order[pos.row : pos.row + rows_per_step], Position(pos.epoch, pos.row + rows_per_step)
+
+
+def micro_batches(rows: list[int], data: list[Sequence], micro: int, world: int, rank: int, pad_id: int):
+    """This rank's micro-batches of one optimizer step: micro-batch k of rank r takes the k*world+r-th slice."""
+    slices = [rows[i : i + micro] for i in range(0, len(rows), micro)]
+    return [collate([data[j] for j in s], pad_id) for s in slices[rank::world]]
+
+
+def count_targets(batch: dict) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+def forward_loss(model, batch: dict, accelerator):
+    """Summed next-token cross-entropy of one micro-batch, and the router aux loss if the model has one."""
+    inputs = {k: batch[k].to(accelerator.device) for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
+    with accelerator.autocast():
+        out = model(**inputs, use_cache=False)
+    logits = out.logits[:, :-1].float()
+    labels = batch["labels"][:, 1:].to(logits.device)
+    ce_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    return ce_sum, getattr(out, "aux_loss", None)
+
+
+@torch.no_grad()
+def evaluate_loss(model, val: list[Sequence], cfg: Config, accelerator, pad_id: int, counter=None) -> dict:
+    """Token-weighted validation loss across all ranks."""
+    was_training = model.training
+    model.eval()
+    if counter is not None:
+        counter.stop()
+    world, rank = accelerator.num_processes, accelerator.process_index
+    bs = cfg.eval.batch_size
+    batches = [list(range(i, min(i + bs, len(val)))) for i in range(0, len(val), bs)]
+    if cfg.eval.max_batches:
+        batches = batches[: cfg.eval.max_batches]
+    loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    tokens = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    for ids in batches[rank::world]:
+        batch = collate([val[i] for i in ids], pad_id)
+        ce_sum, _ = forward_loss(model, batch, accelerator)
+        loss_sum += ce_sum.double()
+        tokens += count_targets(batch)
+    loss_sum = accelerator.reduce(loss_sum, "sum")
+    tokens = accelerator.reduce(tokens, "sum")
+    model.train(was_training)
+    eval_loss = float(loss_sum / tokens) if tokens > 0 else float("nan")
+    return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(tokens)}
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+        return round(peak, 1)
+    import psutil
+
+    return round(psutil.Process().memory_info().rss / 2**20, 1)
+
+
+def library_versions() -> dict:
+    import importlib.metadata as md
+
+    versions = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "flash-linear-attention"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+class StopFlag:
+    """SIGTERM/SIGINT ask for a checkpoint and a clean exit at the end of the current step."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    def install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C means now
+        self.signum = signum
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def load_checkpoint_weights(model, checkpoint: Path, accelerator) -> None:
+    """Model weights come from the checkpoint's save_pretrained files, not accelerate's state."""
+    from safetensors.torch import load_file
+
+    unwrapped = accelerator.unwrap_model(model)
+    if (checkpoint / "adapter_model.safetensors").is_file():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(unwrapped, load_file(str(checkpoint / "adapter_model.safetensors")))
+        return
+    state = {}
+    for file in sorted(checkpoint.glob("model*.safetensors")):
+        state.update(load_file(str(file)))
+    missing, unexpected = unwrapped.load_state_dict(state, strict=False)
+    tied = set(getattr(unwrapped, "_tied_weights_keys", None) or [])
+    if unexpected or [k for k in missing if k not in tied and "lm_head" not in k]:
+        raise ckpt.CheckpointError(f"{checkpoint}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+
+def skip_model_state(accelerator) -> None:
+    """accelerate would save the whole (4-bit) base model in every checkpoint; weights go through
+    save_pretrained instead, so its state holds optimizer, scheduler and RNG only."""
+    accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def train(cfg: Config, resume: str | None = None, config_source: str | None = None) -> int:
+    """Run training; returns the process exit code (0 done, 130/143 stopped by a signal)."""
+    accelerator = make_accelerator(cfg)
+    is_main = accelerator.is_main_process
+    output_dir = Path(cfg.paths.output_dir).resolve()
+    if is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_stale_temporaries(output_dir)
+    accelerator.wait_for_everyone()
+    if cfg.performance.torch_threads:
+        torch.set_num_threads(cfg.performance.torch_threads)
+    if accelerator.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.performance.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.performance.tf32
+
+    resume_from = find_resume_checkpoint(cfg, resume, output_dir)
+    log = runlog.RunLog(output_dir, enabled=is_main)
+    step = 0
+    try:
+        from accelerate.utils import set_seed
+
+        set_seed(cfg.training.seed)
+        loaded = load_for_training(cfg, accelerator.device)
+        model, tokenizer = loaded.model, loaded.tokenizer
+        data = prepare_data(cfg.paths, cfg.data, tokenizer, loaded.family.packing)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        world = accelerator.num_processes
+        micro, accum = cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps
+        rows_per_step = micro * accum * world
+        steps_per_epoch = len(data.train) // rows_per_step
+        if steps_per_epoch == 0:
+            raise ValueError(
+                f"paths.train_file: {len(data.train)} training rows, fewer than one optimizer step needs "
+                f"({micro} x {accum} accumulation x {world} processes)"
+            )
+        total_steps = cfg.training.max_steps or math.ceil(cfg.training.num_epochs * steps_per_epoch)
+
+        optimizer = make_optimizer(model, cfg, accelerator.device.type == "cuda")
+        scheduler = make_scheduler(optimizer, cfg, total_steps)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        accelerator.register_for_checkpointing(scheduler)
+        skip_model_state(accelerator)
+        counter = ExpertCounter(accelerator.unwrap_model(model))
+
+        pos, best, run_info = Position(), None, runlog.read_run_json(output_dir)
+        if resume_from is not None:
+            accelerator.load_state(str(resume_from.path / ckpt.STATE_DIR))
+            load_checkpoint_weights(model, resume_from.path, accelerator)
+            step = resume_from.state["step"]
+            pos = Position(resume_from.state["epoch_index"], resume_from.state["rows_seen"])
+            best = resume_from.state.get("best_metric")
+        if is_main:
+            dump_config(cfg, output_dir / runlog.CONFIG_YAML)
+        run_info = log.update_run(
+            run_id=run_info.get("run_id") or f"{output_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+            started_at=run_info.get("started_at") or round(time.time(), 3),
+            ended_at=None,
+            status="running",
+            model=cfg.model.name_or_path,
+            family=loaded.family.name,
+            model_type=loaded.model_type,
+            method=cfg.training.method,
+            world_size=world,
+            hosts=sorted({socket.gethostname()}),
+            pid=os.getpid(),
+            total_steps=total_steps,
+            step=step,
+            versions=library_versions(),
+            output_dir=str(output_dir),
+            config_source=config_source,
+            resumes=run_info.get("resumes", 0) + (1 if resume_from else 0),
+        )
+        log.event("run_start", step=step, resumed=resume_from is not None, world_size=world, total_steps=total_steps)
+        if resume_from is not None:
+            log.event("resume", step=step, from_checkpoint=str(resume_from.path))
+        log.event("data_report", step=step, **data.report.as_event())
+        log.event("model_report", step=step, **loaded.report)
+        announce(accelerator, cfg, loaded, data, total_steps, resume_from)
+        if cfg.logging.report_to:
+            accelerator.init_trackers(output_dir.name, config=flat_config(cfg))
+    except BaseException as exc:
+        record_failure(log, exc, step, accelerator)
+        raise
+
+    telemetry = TelemetrySampler(output_dir, cfg.logging.telemetry_interval, enabled=accelerator.is_local_main_process)
+    telemetry.start()
+    stop = StopFlag()
+    stop.install()
+    progress = make_progress(is_main and cfg.logging.progress_bar, step, total_steps)
+    aux_coef = float(getattr(accelerator.unwrap_model(model).config, "router_aux_loss_coef", 0.0) or 0.0)
+    last_eval: dict | None = None
+    expert_window_start = step + 1
+    train_start = time.time()
+    step_time_ema: float | None = None
+    final_loss = None
+    exit_code = 0
+    try:
+        model.train()
+        if cfg.eval.at_start and step == 0:
+            last_eval = run_evaluation(model, data.val, cfg, accelerator, pad_id, counter, log, step, best)
+        while step < total_steps:
+            t0 = time.time()
+            rows, pos = next_step_rows(len(data.train), rows_per_step, cfg.training.seed, pos)
+            batches = micro_batches(rows, data.train, micro, world, accelerator.process_index, pad_id)
+            local_targets = torch.tensor(float(sum(count_targets(b) for b in batches)), device=accelerator.device)
+            global_targets = accelerator.reduce(local_targets, "sum").clamp(min=1.0)
+            ce_total = torch.zeros((), device=accelerator.device)
+            aux_total = torch.zeros((), device=accelerator.device)
+            input_tokens = sum(int(b["token_mask"].sum()) for b in batches)
+            for k, batch in enumerate(batches):
+                sync = k == len(batches) - 1
+                with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                    counter.start_micro_batch(batch["token_mask"])
+                    ce_sum, aux = forward_loss(model, batch, accelerator)
+                    # DDP averages gradients over ranks, hence x world; dividing by all target tokens
+                    # of the step makes every token count the same whatever micro-batch it sits in.
+                    loss = ce_sum * world / global_targets
+                    if aux is not None and aux_coef:
+                        loss = loss + aux_coef * aux / len(batches)
+                        aux_total += aux.detach() / len(batches)
+                    accelerator.backward(loss)
+                ce_total += ce_sum.detach()
+            step += 1
+            step_loss = float(accelerator.reduce(ce_total, "sum") / global_targets)
+            max_norm = cfg.optimization.max_grad_norm or float("inf")
+            grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+            lr = scheduler.get_last_lr()[0]
+            skipped = None
+            if not math.isfinite(step_loss):
+                skipped = "nonfinite_loss"
+            elif not math.isfinite(grad_norm) and cfg.training.mixed_precision != "fp16":
+                skipped = "nonfinite_grad_norm"  # fp16: the grad scaler skips and lowers its scale itself
+            if skipped is None:
+                optimizer.step()
+            else:
+                log.event("step_skipped", step=step, reason=skipped, loss=step_loss, grad_norm=grad_norm)
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            final_loss = step_loss
+
+            elapsed_step = time.time() - t0
+            step_time_ema = elapsed_step if step_time_ema is None else 0.9 * step_time_ema + 0.1 * elapsed_step
+            tokens_all = int(accelerator.reduce(torch.tensor(input_tokens, device=accelerator.device), "sum"))
+            if step % cfg.logging.interval == 0 or step == total_steps:
+                record = {
+                    "step": step, "total_steps": total_steps,
+                    "epoch": round(pos.epoch + pos.row / len(data.train), 4),
+                    "loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens": int(global_targets),
+                    "tokens_per_sec": round(tokens_all / elapsed_step, 1), "steps_per_sec": round(1 / elapsed_step, 4),
+                    "eta_seconds": round(step_time_ema * (total_steps - step), 1),
+                    "elapsed": round(time.time() - train_start, 2),
+                    "peak_mem_mb": peak_memory_mb(accelerator.device),
+                }
+                if aux is not None:
+                    record["aux_loss"] = float(accelerator.reduce(aux_total, "mean"))
+                if skipped:
+                    record["skipped"] = True
+                log.write(runlog.TRAINING_LOG, record)
+                if cfg.logging.report_to:
+                    accelerator.log({"train/loss": step_loss, "train/lr": lr, "train/grad_norm": grad_norm}, step=step)
+            if counter.active and (step % cfg.logging.expert_interval == 0 or step == total_steps):
+                layers = counter.flush(all_reduce=lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu())
+                log.write(runlog.EXPERT_LOG, {"step": step, "start_step": expert_window_start,
+                                              "num_experts": counter.num_experts, "top_k": counter.top_k, "layers": layers})
+                expert_window_start = step + 1
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tokens_all / elapsed_step:,.0f}")
+
+            should_save = step % cfg.training.save_steps == 0 and step < total_steps
+            if step % cfg.eval.interval == 0 or should_save or (step == total_steps and cfg.eval.at_end):
+                last_eval = run_evaluation(model, data.val, cfg, accelerator, pad_id, counter, log, step, best)
+                if cfg.logging.report_to and last_eval:
+                    accelerator.log({"eval/loss": last_eval["eval_loss"]}, step=step)
+            if should_save:
+                best = save_and_retain(accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, "periodic")
+            if stop_requested(stop, accelerator):
+                signame = signal.Signals(stop.signum).name if stop.signum else "SIGTERM"
+                log.event("signal", step=step, signal=signame)
+                if not should_save:
+                    best = save_and_retain(accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, "signal")
+                exit_code = EXIT_SIGNAL.get(stop.signum, 143)
+                break
+            if step % 10 == 0:
+                log.update_run(step=step)
+        else:
+            name = f"{runlog.FINAL_PREFIX}{step}"
+            state = trainer_state(step, pos, last_eval, best, cfg)
+            path = ckpt.save_checkpoint(accelerator, model, tokenizer, output_dir, name, state)
+            if is_main:
+                log.event("checkpoint_saved", step=step, path=str(path), size_bytes=ckpt.folder_size(path),
+                          metric=cfg.eval.metric_for_best, metric_value=state["metric_value"], kind="final")
+                if best_is(state["metric_value"], best, cfg) or not (output_dir / runlog.BEST_ADAPTER_DIR).exists():
+                    best = update_best(path, output_dir, log, step, cfg, state["metric_value"], best)
+    except BaseException as exc:
+        if progress is not None:
+            progress.close()
+        telemetry.stop()
+        stop.restore()
+        record_failure(log, exc, step, accelerator)
+        raise
+    if progress is not None:
+        progress.close()
+    telemetry.stop()
+    stop.restore()
+    status = "finished" if exit_code == 0 else "interrupted"
+    log.update_run(status=status, step=step, ended_at=round(time.time(), 3))
+    log.event("run_end", step=step, status=status, final_loss=final_loss, best_metric=best)
+    log.close()
+    if cfg.logging.report_to:
+        accelerator.end_training()
+    counter.remove()
+    if is_main:
+        print_summary(output_dir, status, step, total_steps, final_loss, best, cfg)
+    return exit_code
+
+
+# ---------------------------------------------------------------- helpers the loop calls
+
+
+def find_resume_checkpoint(cfg: Config, resume: str | None, output_dir: Path):
+    """--resume_from PATH, --resume (latest, must exist), or automatic when the folder holds one."""
+    if resume not in (None, "latest"):
+        return ckpt.resolve_resume_path(resume)
+    latest = ckpt.latest_checkpoint(output_dir)
+    if resume == "latest" and latest is None:
+        raise ckpt.CheckpointError(f"--resume: no complete checkpoint in {output_dir}")
+    if resume is None and cfg.training.resume == "never":
+        return None
+    return latest
+
+
+def stop_requested(stop: StopFlag, accelerator) -> bool:
+    """Every rank must stop at the same step, so the flag is agreed on across processes."""
+    flag = torch.tensor(1.0 if stop.signum is not None else 0.0, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        flag = accelerator.reduce(flag, "max")
+    if flag > 0 and stop.signum is None:
+        stop.signum = signal.SIGTERM
+    return bool(flag > 0)
+
+
+def metric_value(eval_result: dict | None, cfg: Config):
+    if not eval_result:
+        return None
+    name = cfg.eval.metric_for_best
+    value = eval_result.get(name, (eval_result.get("metrics") or {}).get(name))
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def best_is(value, best, cfg: Config) -> bool:
+    if value is None:
+        return False
+    if best is None:
+        return True
+    return value > best if cfg.eval.greater_is_better else value < best
+
+
+def run_evaluation(model, val, cfg, accelerator, pad_id, counter, log, step, best) -> dict | None:
+    if not val:
+        return None
+    result = evaluate_loss(model, val, cfg, accelerator, pad_id, counter)
+    value = metric_value(result, cfg)
+    log.write(runlog.EVAL_LOG, {"step": step, **result, "is_best": best_is(value, best, cfg)})
+    log.event("eval_done", step=step, eval_loss=result["eval_loss"])
+    return {**result, "step": step}
+
+
+def trainer_state(step: int, pos: Position, last_eval, best, cfg: Config) -> dict:
+    fresh = last_eval if last_eval and last_eval.get("step") == step else None
+    return {
+        "step": step, "epoch_index": pos.epoch, "rows_seen": pos.row,
+        "metric": cfg.eval.metric_for_best, "metric_value": metric_value(fresh, cfg), "best_metric": best,
+    }
+
+
+def save_and_retain(accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, kind):
+    state = trainer_state(step, pos, last_eval, best, cfg)
+    is_better = best_is(state["metric_value"], best, cfg)
+    if is_better:
+        state["best_metric"] = state["metric_value"]
+    path = ckpt.save_checkpoint(accelerator, model, tokenizer, output_dir, f"{runlog.CHECKPOINT_PREFIX}{step}", state)
+    if not accelerator.is_main_process:
+        return state["best_metric"]
+    log.event("checkpoint_saved", step=step, path=str(path), size_bytes=ckpt.folder_size(path),
+              metric=cfg.eval.metric_for_best, metric_value=state["metric_value"], kind=kind)
+    if is_better:
+        update_best(path, output_dir, log, step, cfg, state["metric_value"], best)
+    for removed in ckpt.prune_checkpoints(output_dir, cfg.training.keep_top_k, cfg.eval.greater_is_better):
+        log.event("checkpoint_pruned", step=runlog.checkpoint_step(removed.name), path=str(removed))
+    return state["best_metric"]
+
+
+def update_best(path, output_dir, log, step, cfg, value, best):
+    target = ckpt.copy_best_adapter(path, output_dir)
+    log.event("best_updated", step=step, metric=cfg.eval.metric_for_best, metric_value=value, path=str(target))
+    return value if value is not None else best
+
+
+def record_failure(log, exc: BaseException, step: int, accelerator) -> None:
+    """Fatal errors go to error_log.jsonl and run.json before the exception propagates."""
+    rank = accelerator.process_index if accelerator is not None else 0
+    log.write(runlog.ERROR_LOG, {
+        "step": step, "type": type(exc).__name__, "message": str(exc), "rank": rank,
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    })
+    status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    if (log.output_dir / runlog.RUN_JSON).exists():
+        log.update_run(status=status, step=step, ended_at=round(time.time(), 3))
+    log.event("run_end", step=step, status=status, error=type(exc).__name__)
+    log.close()
+
+
+def make_progress(enabled: bool, step: int, total: int):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
+
+
+def flat_config(cfg: Config) -> dict:
+    flat = {}
+    for section, values in cfg.to_dict().items():
+        for key, value in values.items():
+            flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
+
+
+def announce(accelerator, cfg, loaded, data, total_steps, resume_from) -> None:
+    if not accelerator.is_main_process:
+        return
+    r = loaded.report
+    print(f"model: {cfg.model.name_or_path} ({loaded.family.name}/{loaded.model_type}, {cfg.training.method}) "
+          f"params {r['total_params']:,}, trainable {r['trainable_params']:,}", flush=True)
+    if r["unquantized_expert_bytes"] and cfg.training.method == "qlora":
+        print(f"WARNING: {r['unquantized_expert_bytes'] / 2**30:.2f} GiB of fused MoE expert weights are NOT "
+              "4-bit quantized (bitsandbytes replaces nn.Linear only; see bitsandbytes issue 1849). "
+              f"Unquantized total: {r['unquantized_bytes'] / 2**30:.2f} GiB.", flush=True)
+    d = data.report
+    print(f"data: {d.train_records} train / {d.val_records} val records -> {d.train_sequences} / {d.val_sequences} "
+          f"rows of {cfg.data.max_length} tokens (packing {'on' if d.packing else 'off'}; skipped lines {d.skipped_lines}; "
+          f"truncation would lose {d.truncation_would_lose_tokens:,} tokens, lost {d.truncated_tokens:,})", flush=True)
+    where = f"resuming from {resume_from.path} at step {resume_from.step}" if resume_from else "starting fresh"
+    print(f"training: {total_steps} steps on {accelerator.num_processes} process(es), {where}", flush=True)
+
+
+def print_summary(output_dir: Path, status: str, step: int, total: int, final_loss, best, cfg: Config) -> None:
+    loss = f"{final_loss:.4f}" if isinstance(final_loss, float) else "n/a"
+    best_text = f"{best:.4f}" if isinstance(best, float) else "n/a"
+    print(f"\nrun {status} at step {step}/{total}; last loss {loss}; best {cfg.eval.metric_for_best} {best_text}")
+    print(f"run folder: {output_dir}")
+    print(f"dashboard:  ./launch_dashboard.sh --logdir {output_dir.parent}   (then open http://localhost:5000)")

@@ -1,0 +1,253 @@
+"""Build the model to train: family, tokenizer, 4-bit loading, PEFT adapters, and a size report.
+
+Errors a user can cause (missing folder, missing weights, no tokenizer, offline hub id) become a
+``ModelLoadError`` naming the file, instead of a deep stack trace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.config import Config
+from trainer.families import Family, ModelLoadError, family_for
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    family: Family
+    model_type: str
+    report: dict
+
+
+def is_local(name_or_path: str) -> bool:
+    return Path(name_or_path).expanduser().exists() or name_or_path.startswith((".", "/", "~"))
+
+
+def check_local_folder(path: Path, random_init: bool) -> None:
+    """Name the missing file before transformers raises something vaguer."""
+    if not path.is_dir():
+        raise ModelLoadError(f"model.name_or_path: folder not found: {path}")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model.name_or_path: {path / 'config.json'} is missing")
+    if random_init:
+        return
+    present = [name for name in WEIGHT_FILES if (path / name).is_file()]
+    if not present:
+        raise ModelLoadError(
+            f"model.name_or_path: no weights in {path} (expected one of {', '.join(WEIGHT_FILES)}; "
+            "or set model.random_init: true to train from the config alone)"
+        )
+    for index_name in (n for n in present if n.endswith(".index.json")):
+        shards = set(json.loads((path / index_name).read_text()).get("weight_map", {}).values())
+        missing = sorted(s for s in shards if not (path / s).is_file())
+        if missing:
+            raise ModelLoadError(f"model.name_or_path: weight shard missing: {path / missing[0]} (named in {index_name})")
+
+
+def load_hf_config(cfg: Config):
+    from transformers import AutoConfig
+
+    name = cfg.model.name_or_path
+    if is_local(name):
+        check_local_folder(Path(name).expanduser(), cfg.model.random_init)
+    _import_family_registrations()
+    try:
+        return AutoConfig.from_pretrained(
+            name, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, cache_dir=cfg.paths.cache_dir
+        )
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"model.name_or_path: cannot load config for '{name}': {first_line}") from exc
+
+
+def _import_family_registrations() -> None:
+    """Some families register their model_type with the Auto classes on import (fla's gla)."""
+    try:
+        import fla  # noqa: F401
+    except Exception:  # noqa: BLE001 - optional dependency, absent or broken: causal models still load
+        pass
+
+
+def load_tokenizer(cfg: Config):
+    from transformers import AutoTokenizer
+
+    source = cfg.model.tokenizer or cfg.model.name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, cache_dir=cfg.paths.cache_dir
+        )
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelLoadError(
+            f"model.tokenizer: no usable tokenizer in '{source}' (expected tokenizer.json or tokenizer files; "
+            "set model.tokenizer to another folder)"
+        ) from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def resolve_dtype(cfg: Config) -> torch.dtype:
+    if cfg.model.dtype != "auto":
+        return DTYPES[cfg.model.dtype]
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def quantization_config(cfg: Config):
+    from transformers import BitsAndBytesConfig
+
+    q = cfg.quantization
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+        bnb_4bit_quant_storage=torch.uint8,
+        llm_int8_skip_modules=list(q.skip_modules),
+    )
+
+
+def load_base_model(cfg: Config, family: Family, hf_config, device: torch.device):
+    """Load (or random-init) the base model; 4-bit goes through from_pretrained so bitsandbytes quantizes."""
+    dtype = resolve_dtype(cfg)
+    qlora = cfg.training.method == "qlora"
+    kwargs = {"dtype": dtype, "cache_dir": cfg.paths.cache_dir}
+    if cfg.model.attn_implementation:
+        kwargs["attn_implementation"] = cfg.model.attn_implementation
+    torch.manual_seed(cfg.training.seed)
+    if cfg.model.random_init and not qlora:
+        return family.load(cfg.model, hf_config, from_config=True, dtype=dtype)
+    if qlora:
+        kwargs["quantization_config"] = quantization_config(cfg)
+        kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    if cfg.model.random_init:
+        # bitsandbytes quantizes while loading weights, so random weights take a detour through disk.
+        with tempfile.TemporaryDirectory(prefix="init-model-") as tmp:
+            family.load(cfg.model, hf_config, from_config=True, dtype=dtype).save_pretrained(tmp)
+            local = type(cfg.model)(**{**cfg.model.__dict__, "name_or_path": tmp, "revision": None})
+            return family.load(local, hf_config, **kwargs)
+    try:
+        return family.load(cfg.model, hf_config, **kwargs)
+    except OSError as exc:
+        first_line = str(exc).strip().splitlines()[0]
+        raise ModelLoadError(f"model.name_or_path: cannot load weights of '{cfg.model.name_or_path}': {first_line}") from exc
+
+
+def disable_cpu_bf16_repack(model: torch.nn.Module) -> int:
+    """bitsandbytes on AVX512-BF16 CPUs repacks 4-bit weights on the first no-grad forward into a layout
+    with no backward, silently corrupting LoRA gradients afterwards (platform notes). Turn it off."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
+
+
+def lora_targets(cfg: Config, family: Family):
+    targets = cfg.lora.target_modules
+    if targets is None:
+        return family.default_lora_targets
+    return targets
+
+
+def apply_peft(model, cfg: Config, family: Family):
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if cfg.training.method == "qlora":
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=cfg.memory.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    if cfg.lora.variant not in family.lora_variants:
+        raise ModelLoadError(f"lora.variant: '{cfg.lora.variant}' is not supported for the {family.name} family")
+    init = cfg.lora.init
+    peft_config = LoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=lora_targets(cfg, family),
+        target_parameters=cfg.lora.target_parameters,
+        bias=cfg.lora.bias,
+        use_dora=cfg.lora.variant == "dora",
+        use_rslora=cfg.lora.variant == "rslora",
+        init_lora_weights=True if init == "default" else init,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, peft_config)
+    except (ValueError, TypeError) as exc:
+        raise ModelLoadError(f"lora.target_modules: {str(exc).splitlines()[0]}") from exc
+
+
+def size_report(model: torch.nn.Module, method: str) -> dict:
+    """Parameter counts and the bytes left in 16/32-bit, experts separately: fused 3-D expert
+    parameters escape bitsandbytes' Linear replacement (bitsandbytes issue 1849)."""
+    try:
+        import bitsandbytes as bnb
+
+        params4 = bnb.nn.Params4bit
+    except ImportError:
+        params4 = ()
+    total = trainable = quantized = unquantized_bytes = expert_bytes = 0
+    for name, param in model.named_parameters():
+        is_4bit = bool(params4) and isinstance(param, params4)
+        count = param.numel() * 2 if is_4bit else param.numel()  # two 4-bit values per stored byte
+        total += count
+        if param.requires_grad:
+            trainable += count
+        if is_4bit:
+            quantized += count
+            continue
+        nbytes = param.numel() * param.element_size()
+        unquantized_bytes += nbytes
+        if param.dim() == 3 and "expert" in name:
+            expert_bytes += nbytes
+    return {
+        "method": method,
+        "total_params": total,
+        "trainable_params": trainable,
+        "quantized_params": quantized,
+        "unquantized_bytes": unquantized_bytes,
+        "unquantized_expert_bytes": expert_bytes,
+    }
+
+
+def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
+    hf_config = load_hf_config(cfg)
+    model_type = getattr(hf_config, "model_type", "") or ""
+    family = family_for(model_type, cfg.model.family)
+    tokenizer = load_tokenizer(cfg)
+    if cfg.training.method == "qlora" and not family.quantizable:
+        raise ModelLoadError(f"training.method: qlora is not available for the {family.name} family")
+    model = load_base_model(cfg, family, hf_config, device)
+    disable_cpu_bf16_repack(model)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    if cfg.memory.gradient_checkpointing and cfg.training.method != "qlora":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.training.method == "lora":
+            model.enable_input_require_grads()
+    if cfg.training.method in ("lora", "qlora"):
+        model = apply_peft(model, cfg, family)
+    report = size_report(model, cfg.training.method)
+    return LoadedModel(model=model, tokenizer=tokenizer, family=family, model_type=model_type, report=report)

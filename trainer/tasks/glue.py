@@ -1,0 +1,308 @@
+"""GLUE as text generation: a prompt per row, a label word per class, GLUE's official metrics.
+
+A model answers with a word (``positive``, ``yes``, ``entailment``; STS-B: a number). We read
+back the first label word in the answer (whole words, case-insensitive); an answer with none
+is wrong and counted as ``unparsed``. Data comes from the GLUE download's TSV files (the layout
+of ``download_glue_data.py``) or, with no local folder, from ``datasets`` (needs the Hub).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.tasks import metrics
+from trainer.tasks.base import MetricForBest, Task, TaskDataError
+
+log = logging.getLogger(__name__)
+
+STSB_RANGE = (0.0, 5.0)
+STSB_FALLBACK = 2.5  # an unreadable STS-B answer scores as the middle of the scale (and is counted)
+HF_DATASET = "nyu-mll/glue"
+
+
+@dataclass(frozen=True)
+class GlueSpec:
+    """One GLUE task: where its text and label live, how it is asked, how it is scored."""
+
+    name: str
+    folder: str  # folder in the GLUE download, e.g. SST-2
+    columns: tuple[str, ...]  # TSV columns holding the one or two texts
+    label_column: str
+    labels: dict[str, int] | None  # TSV label text -> label id (HF's ids); None: a float score
+    label_words: tuple[str, ...]  # answer word per label id
+    hf_columns: tuple[str, ...]  # the same texts in the `datasets` version
+    text_names: tuple[str, ...]  # how the prompt names each text
+    question: str
+    metric_names: tuple[str, ...]
+    best: str
+    headerless: tuple[str, ...] = ()  # column names for files without a header row (CoLA)
+    extra_splits: dict[str, tuple[tuple[str, str | None], ...]] = field(default_factory=dict)
+
+
+_BINARY = {"0": 0, "1": 1}
+_NLI2 = {"entailment": 0, "not_entailment": 1}
+
+SPECS: dict[str, GlueSpec] = {
+    s.name: s
+    for s in (
+        GlueSpec(
+            "cola", "CoLA", ("sentence",), "label", _BINARY, ("unacceptable", "acceptable"),
+            ("sentence",), ("Sentence",),
+            "Is this sentence grammatically acceptable or unacceptable?",
+            ("matthews_correlation", "accuracy"), "matthews_correlation",
+            headerless=("source", "label", "original_label", "sentence"),
+        ),
+        GlueSpec(
+            "sst2", "SST-2", ("sentence",), "label", _BINARY, ("negative", "positive"),
+            ("sentence",), ("Sentence",),
+            "Is the sentiment of this sentence positive or negative?",
+            ("accuracy",), "accuracy",
+        ),
+        GlueSpec(
+            "mrpc", "MRPC", ("#1 String", "#2 String"), "Quality", _BINARY, ("no", "yes"),
+            ("sentence1", "sentence2"), ("Sentence 1", "Sentence 2"),
+            "Do the two sentences mean the same thing? Answer yes or no.",
+            ("f1", "accuracy"), "f1",
+        ),
+        GlueSpec(
+            "qqp", "QQP", ("question1", "question2"), "is_duplicate", _BINARY, ("no", "yes"),
+            ("question1", "question2"), ("Question 1", "Question 2"),
+            "Do the two questions ask the same thing? Answer yes or no.",
+            ("f1", "accuracy"), "f1",
+        ),
+        GlueSpec(
+            "stsb", "STS-B", ("sentence1", "sentence2"), "score", None, (),
+            ("sentence1", "sentence2"), ("Sentence 1", "Sentence 2"),
+            "How similar are the two sentences, on a scale from 0 to 5?",
+            ("pearson", "spearman"), "pearson",
+        ),
+        GlueSpec(
+            "mnli", "MNLI", ("sentence1", "sentence2"), "gold_label",
+            {"entailment": 0, "neutral": 1, "contradiction": 2}, ("entailment", "neutral", "contradiction"),
+            ("premise", "hypothesis"), ("Premise", "Hypothesis"),
+            "Does the premise entail the hypothesis? Answer entailment, neutral or contradiction.",
+            ("accuracy",), "accuracy",
+            extra_splits={
+                "validation": (("dev_matched.tsv", "matched"), ("dev_mismatched.tsv", "mismatched")),
+                "validation_matched": (("dev_matched.tsv", "matched"),),
+                "validation_mismatched": (("dev_mismatched.tsv", "mismatched"),),
+            },
+        ),
+        GlueSpec(
+            "qnli", "QNLI", ("question", "sentence"), "label", _NLI2, ("yes", "no"),
+            ("question", "sentence"), ("Question", "Sentence"),
+            "Does the sentence answer the question? Answer yes or no.",
+            ("accuracy",), "accuracy",
+        ),
+        GlueSpec(
+            "rte", "RTE", ("sentence1", "sentence2"), "label", _NLI2, ("yes", "no"),
+            ("sentence1", "sentence2"), ("Sentence 1", "Sentence 2"),
+            "Does sentence 1 entail sentence 2? Answer yes or no.",
+            ("accuracy",), "accuracy",
+        ),
+        GlueSpec(
+            "wnli", "WNLI", ("sentence1", "sentence2"), "label", _BINARY, ("no", "yes"),
+            ("sentence1", "sentence2"), ("Sentence 1", "Sentence 2"),
+            "Does sentence 1 entail sentence 2? Answer yes or no.",
+            ("accuracy",), "accuracy",
+        ),
+    )
+}
+
+
+def parse_label(text: str, words: tuple[str, ...]) -> int | None:
+    """Label id of the first label word in ``text`` (whole word, any case), or None."""
+    pattern = r"\b(" + "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)) + r")\b"
+    match = re.search(pattern, text, flags=re.IGNORECASE)
+    return None if match is None else [w.lower() for w in words].index(match.group(1).lower())
+
+
+_NUMBER_WORDS = {"zero": 0.0, "one": 1.0, "two": 2.0, "three": 3.0, "four": 4.0, "five": 5.0}
+_NUMBER = re.compile(
+    r"(?<![\w.])([-+]?(?:\d+(?:[.,]\d+)?|[.,]\d+))|\b(" + "|".join(_NUMBER_WORDS) + r")\b", re.IGNORECASE
+)
+
+
+def parse_score(text: str) -> float | None:
+    """The first number in ``text`` (digits, ``3,5`` or a word up to five), clamped to 0..5; else None."""
+    match = _NUMBER.search(text)
+    if match is None:
+        return None
+    value = float(match.group(1).replace(",", ".")) if match.group(1) else _NUMBER_WORDS[match.group(2).lower()]
+    return min(max(value, STSB_RANGE[0]), STSB_RANGE[1])
+
+
+def read_tsv(path: Path, headerless: tuple[str, ...] = ()) -> tuple[list[dict[str, str]], int]:
+    """Rows of a GLUE TSV as dicts, and how many malformed rows were skipped.
+
+    GLUE's TSVs are not CSV-quoted (quotes are text), so QUOTE_NONE; a row whose field count
+    differs from the header's is malformed (QQP and others have a few) and is skipped.
+    """
+    with open(path, encoding="utf-8-sig", newline="") as handle:  # -sig: MRPC starts with a BOM
+        rows = list(csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
+    header = list(headerless) if headerless else [h.strip() for h in (rows.pop(0) if rows else [])]
+    good = [dict(zip(header, row)) for row in rows if len(row) == len(header)]
+    return good, len(rows) - len(good)
+
+
+class GlueTask(Task):
+    """One GLUE task, read from ``data_dir`` (the GLUE download, or its task folder) or from the Hub."""
+
+    def __init__(self, name: str, data_dir: str | Path | None = None, hf_dataset: str = HF_DATASET):
+        if name not in SPECS:
+            raise ValueError(f"unknown GLUE task {name!r}; expected one of {', '.join(SPECS)}")
+        self.spec = SPECS[name]
+        self.name = name
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self.hf_dataset = hf_dataset
+        self.metric_for_best = MetricForBest(self.spec.best)
+        self.max_new_tokens = 8
+        self.skipped_rows: dict[str, int] = {}  # split -> malformed or unlabelled rows skipped by load
+
+    # -- data -------------------------------------------------------------------------------
+    def load(self, split: str) -> list[dict]:
+        """Examples ``{idx, text_a, text_b, label}`` (MNLI adds ``subset``); ``dev`` means validation."""
+        split = "validation" if split == "dev" else split
+        if split == "test":
+            raise TaskDataError(f"{self.name}: GLUE's test labels are not public; evaluate on 'validation'")
+        if self.data_dir is None:
+            return self._load_hub(split)
+        return self._load_local(split)
+
+    def _split_files(self, split: str) -> tuple[tuple[str, str | None], ...]:
+        files = {"train": (("train.tsv", None),), "validation": (("dev.tsv", None),)}
+        files.update(self.spec.extra_splits)
+        if split not in files:
+            raise TaskDataError(f"{self.name}: unknown split {split!r}; expected one of {', '.join(files)}")
+        return files[split]
+
+    def _folder(self) -> Path:
+        assert self.data_dir is not None
+        for folder in (self.data_dir / self.spec.folder, self.data_dir):
+            if any((folder / f).is_file() for f in ("train.tsv", "dev.tsv", "dev_matched.tsv")):
+                return folder
+        raise TaskDataError(
+            f"{self.name}: no GLUE files under {self.data_dir}; expected {self.spec.folder}/dev.tsv "
+            f"(the GLUE download's layout) or dev.tsv directly in that folder"
+        )
+
+    def _load_local(self, split: str) -> list[dict]:
+        folder = self._folder()
+        examples: list[dict] = []
+        skipped = 0
+        for filename, subset in self._split_files(split):
+            path = folder / filename
+            if not path.is_file():
+                raise TaskDataError(f"{self.name}: missing {path} for split {split!r}")
+            rows, bad = read_tsv(path, self.spec.headerless)
+            skipped += bad
+            for row in rows:
+                example = self._from_row(row, subset, len(examples))
+                if example is None:
+                    skipped += 1
+                else:
+                    examples.append(example)
+        self.skipped_rows[split] = skipped
+        if skipped:
+            log.warning("%s/%s: skipped %d malformed or unlabelled rows", self.name, split, skipped)
+        return examples
+
+    def _from_row(self, row: dict[str, str], subset: str | None, idx: int) -> dict | None:
+        missing = [c for c in (*self.spec.columns, self.spec.label_column) if c not in row]
+        if missing:
+            raise TaskDataError(f"{self.name}: TSV has no column(s) {missing}; columns are {list(row)}")
+        raw = row[self.spec.label_column].strip()
+        if self.spec.labels is None:
+            try:
+                label: float | int = float(raw)
+            except ValueError:
+                return None
+        elif raw in self.spec.labels:
+            label = self.spec.labels[raw]
+        else:
+            return None  # e.g. MNLI's '-' (no gold label)
+        texts = [row[c] for c in self.spec.columns]
+        return self._example(idx, texts, label, subset)
+
+    def _example(self, idx: int, texts: list[str], label: float | int, subset: str | None) -> dict:
+        example = {"idx": idx, "text_a": texts[0], "text_b": texts[1] if len(texts) > 1 else None, "label": label}
+        if subset is not None:
+            example["subset"] = subset
+        return example
+
+    def _load_hub(self, split: str) -> list[dict]:
+        files = self._split_files(split)  # validates the split name
+        if split == "train" or not self.spec.extra_splits:
+            hub_splits = [(split, None)]
+        else:  # MNLI: validation_matched / validation_mismatched
+            hub_splits = [(f"validation_{subset}", subset) for _, subset in files]
+        try:
+            import datasets
+
+            parts = [(datasets.load_dataset(self.hf_dataset, self.name, split=s), sub) for s, sub in hub_splits]
+        except Exception as exc:  # offline, missing cache, renamed dataset: all mean the same to the user
+            raise TaskDataError(
+                f"{self.name}: could not load GLUE from the Hub ({self.hf_dataset!r}: {type(exc).__name__}: {exc}). "
+                f"Offline? Download GLUE and pass its folder as data_dir (holding {self.spec.folder}/dev.tsv)."
+            ) from exc
+        examples = []
+        for rows, subset in parts:
+            for row in rows:
+                texts = [row[c] for c in self.spec.hf_columns]
+                examples.append(self._example(len(examples), texts, row["label"], subset))
+        self.skipped_rows[split] = 0
+        return examples
+
+    # -- prompting and scoring ----------------------------------------------------------------
+    def prompt(self, example: dict) -> str:
+        texts = [example["text_a"], example["text_b"]][: len(self.spec.columns)]
+        lines = [f"{name}: {text.strip()}" for name, text in zip(self.spec.text_names, texts)]
+        return "\n".join([*lines, self.spec.question, "Answer:"])
+
+    def target(self, example: dict) -> str:
+        if self.spec.labels is None:
+            return " " + f"{float(example['label']):.2f}".rstrip("0").rstrip(".")
+        return " " + self.spec.label_words[example["label"]]
+
+    def parse(self, text: str) -> int | float | None:
+        """The label (or STS-B score) an answer names, None when it names none."""
+        if self.spec.labels is None:
+            return parse_score(text)
+        return parse_label(text, self.spec.label_words)
+
+    def score(self, predictions: list[str], examples: list[dict]) -> dict[str, float]:
+        """GLUE's metrics for this task, plus ``unparsed`` (answers naming no label) and ``n``."""
+        self._check_aligned(predictions, examples)
+        golds = [e["label"] for e in examples]
+        parsed = [self.parse(p) for p in predictions]
+        unparsed = sum(p is None for p in parsed)
+        if self.spec.labels is None:
+            preds = [STSB_FALLBACK if p is None else p for p in parsed]
+        else:
+            preds = [_wrong(g, len(self.spec.label_words)) if p is None else p for g, p in zip(golds, parsed)]
+        result = {name: _METRICS[name](golds, preds) for name in self.spec.metric_names}
+        subsets = sorted({e["subset"] for e in examples if e.get("subset")})
+        for subset in subsets:
+            pairs = [(g, p) for g, p, e in zip(golds, preds, examples) if e.get("subset") == subset]
+            result[f"accuracy_{subset}"] = metrics.accuracy([g for g, _ in pairs], [p for _, p in pairs])
+        result["unparsed"] = unparsed
+        result["n"] = len(examples)
+        return result
+
+
+def _wrong(gold: int, num_labels: int) -> int:
+    """A label that is not ``gold``: the other class for binary tasks (so F1/MCC count it), else -1."""
+    return 1 - gold if num_labels == 2 else -1
+
+
+_METRICS = {
+    "accuracy": metrics.accuracy,
+    "f1": metrics.f1_binary,
+    "matthews_correlation": metrics.matthews_corrcoef,
+    "pearson": metrics.pearson,
+    "spearman": metrics.spearman,
+}
