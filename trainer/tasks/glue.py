@@ -37,81 +37,53 @@ class GlueSpec:
     hf_columns: tuple[str, ...]  # the same texts in the `datasets` version
     text_names: tuple[str, ...]  # how the prompt names each text
     question: str
-    metric_names: tuple[str, ...]
-    best: str
+    metric_names: tuple[str, ...]  # the first one picks the best checkpoint
     headerless: tuple[str, ...] = ()  # column names for files without a header row (CoLA)
     extra_splits: dict[str, tuple[tuple[str, str | None], ...]] = field(default_factory=dict)
+
+    @property
+    def best(self) -> str:
+        return self.metric_names[0]
 
 
 _BINARY = {"0": 0, "1": 1}
 _NLI2 = {"entailment": 0, "not_entailment": 1}
-
+_PAIR = ("sentence1", "sentence2")
+_SENTENCES = ("Sentence 1", "Sentence 2")
+_YES_NO = "Answer yes or no."
+# name, folder, TSV text columns, TSV label column, TSV labels, label words, hub columns, prompt names,
+# question, metrics (the first picks the best checkpoint)
 SPECS: dict[str, GlueSpec] = {
     s.name: s
     for s in (
-        GlueSpec(
-            "cola", "CoLA", ("sentence",), "label", _BINARY, ("unacceptable", "acceptable"),
-            ("sentence",), ("Sentence",),
-            "Is this sentence grammatically acceptable or unacceptable?",
-            ("matthews_correlation", "accuracy"), "matthews_correlation",
-            headerless=("source", "label", "original_label", "sentence"),
-        ),
-        GlueSpec(
-            "sst2", "SST-2", ("sentence",), "label", _BINARY, ("negative", "positive"),
-            ("sentence",), ("Sentence",),
-            "Is the sentiment of this sentence positive or negative?",
-            ("accuracy",), "accuracy",
-        ),
-        GlueSpec(
-            "mrpc", "MRPC", ("#1 String", "#2 String"), "Quality", _BINARY, ("no", "yes"),
-            ("sentence1", "sentence2"), ("Sentence 1", "Sentence 2"),
-            "Do the two sentences mean the same thing? Answer yes or no.",
-            ("f1", "accuracy"), "f1",
-        ),
-        GlueSpec(
-            "qqp", "QQP", ("question1", "question2"), "is_duplicate", _BINARY, ("no", "yes"),
-            ("question1", "question2"), ("Question 1", "Question 2"),
-            "Do the two questions ask the same thing? Answer yes or no.",
-            ("f1", "accuracy"), "f1",
-        ),
-        GlueSpec(
-            "stsb", "STS-B", ("sentence1", "sentence2"), "score", None, (),
-            ("sentence1", "sentence2"), ("Sentence 1", "Sentence 2"),
-            "How similar are the two sentences, on a scale from 0 to 5?",
-            ("pearson", "spearman"), "pearson",
-        ),
-        GlueSpec(
-            "mnli", "MNLI", ("sentence1", "sentence2"), "gold_label",
-            {"entailment": 0, "neutral": 1, "contradiction": 2}, ("entailment", "neutral", "contradiction"),
-            ("premise", "hypothesis"), ("Premise", "Hypothesis"),
-            "Does the premise entail the hypothesis? Answer entailment, neutral or contradiction.",
-            ("accuracy",), "accuracy",
-            extra_splits={
-                "validation": (("dev_matched.tsv", "matched"), ("dev_mismatched.tsv", "mismatched")),
-                "validation_matched": (("dev_matched.tsv", "matched"),),
-                "validation_mismatched": (("dev_mismatched.tsv", "mismatched"),),
-            },
-        ),
-        GlueSpec(
-            "qnli", "QNLI", ("question", "sentence"), "label", _NLI2, ("yes", "no"),
-            ("question", "sentence"), ("Question", "Sentence"),
-            "Does the sentence answer the question? Answer yes or no.",
-            ("accuracy",), "accuracy",
-        ),
-        GlueSpec(
-            "rte", "RTE", ("sentence1", "sentence2"), "label", _NLI2, ("yes", "no"),
-            ("sentence1", "sentence2"), ("Sentence 1", "Sentence 2"),
-            "Does sentence 1 entail sentence 2? Answer yes or no.",
-            ("accuracy",), "accuracy",
-        ),
-        GlueSpec(
-            "wnli", "WNLI", ("sentence1", "sentence2"), "label", _BINARY, ("no", "yes"),
-            ("sentence1", "sentence2"), ("Sentence 1", "Sentence 2"),
-            "Does sentence 1 entail sentence 2? Answer yes or no.",
-            ("accuracy",), "accuracy",
-        ),
+        GlueSpec("cola", "CoLA", ("sentence",), "label", _BINARY, ("unacceptable", "acceptable"), ("sentence",),
+                 ("Sentence",), "Is this sentence grammatically acceptable or unacceptable?",
+                 ("matthews_correlation", "accuracy"), headerless=("source", "label", "original_label", "sentence")),
+        GlueSpec("sst2", "SST-2", ("sentence",), "label", _BINARY, ("negative", "positive"), ("sentence",),
+                 ("Sentence",), "Is the sentiment of this sentence positive or negative?", ("accuracy",)),
+        GlueSpec("mrpc", "MRPC", ("#1 String", "#2 String"), "Quality", _BINARY, ("no", "yes"), _PAIR, _SENTENCES,
+                 f"Do the two sentences mean the same thing? {_YES_NO}", ("f1", "accuracy")),
+        GlueSpec("qqp", "QQP", ("question1", "question2"), "is_duplicate", _BINARY, ("no", "yes"),
+                 ("question1", "question2"), ("Question 1", "Question 2"),
+                 f"Do the two questions ask the same thing? {_YES_NO}", ("f1", "accuracy")),
+        GlueSpec("stsb", "STS-B", _PAIR, "score", None, (), _PAIR, _SENTENCES,
+                 "How similar are the two sentences, on a scale from 0 to 5?", ("pearson", "spearman")),
+        GlueSpec("mnli", "MNLI", _PAIR, "gold_label", {"entailment": 0, "neutral": 1, "contradiction": 2},
+                 ("entailment", "neutral", "contradiction"), ("premise", "hypothesis"), ("Premise", "Hypothesis"),
+                 "Does the premise entail the hypothesis? Answer entailment, neutral or contradiction.", ("accuracy",),
+                 extra_splits={
+                     "validation": (("dev_matched.tsv", "matched"), ("dev_mismatched.tsv", "mismatched")),
+                     "validation_matched": (("dev_matched.tsv", "matched"),),
+                     "validation_mismatched": (("dev_mismatched.tsv", "mismatched"),),
+                 }),
+        GlueSpec("qnli", "QNLI", ("question", "sentence"), "label", _NLI2, ("yes", "no"), ("question", "sentence"),
+                 ("Question", "Sentence"), f"Does the sentence answer the question? {_YES_NO}", ("accuracy",)),
+        GlueSpec("rte", "RTE", _PAIR, "label", _NLI2, ("yes", "no"), _PAIR, _SENTENCES,
+                 f"Does sentence 1 entail sentence 2? {_YES_NO}", ("accuracy",)),
+        GlueSpec("wnli", "WNLI", _PAIR, "label", _BINARY, ("no", "yes"), _PAIR, _SENTENCES,
+                 f"Does sentence 1 entail sentence 2? {_YES_NO}", ("accuracy",)),
     )
-}
+}  # fmt: skip
 
 
 def parse_label(text: str, words: tuple[str, ...]) -> int | None:
@@ -132,7 +104,9 @@ def parse_score(text: str) -> float | None:
     match = _NUMBER.search(text)
     if match is None:
         return None
-    value = float(match.group(1).replace(",", ".")) if match.group(1) else _NUMBER_WORDS[match.group(2).lower()]
+    value = (
+        float(match.group(1).replace(",", ".")) if match.group(1) else _NUMBER_WORDS[match.group(2).lower()]
+    )
     return min(max(value, STSB_RANGE[0]), STSB_RANGE[1])
 
 
@@ -229,7 +203,12 @@ class GlueTask(Task):
         return self._example(idx, texts, label, subset)
 
     def _example(self, idx: int, texts: list[str], label: float | int, subset: str | None) -> dict:
-        example = {"idx": idx, "text_a": texts[0], "text_b": texts[1] if len(texts) > 1 else None, "label": label}
+        example = {
+            "idx": idx,
+            "text_a": texts[0],
+            "text_b": texts[1] if len(texts) > 1 else None,
+            "label": label,
+        }
         if subset is not None:
             example["subset"] = subset
         return example
@@ -243,7 +222,9 @@ class GlueTask(Task):
         try:
             import datasets
 
-            parts = [(datasets.load_dataset(self.hf_dataset, self.name, split=s), sub) for s, sub in hub_splits]
+            parts = [
+                (datasets.load_dataset(self.hf_dataset, self.name, split=s), sub) for s, sub in hub_splits
+            ]
         except Exception as exc:  # offline, missing cache, renamed dataset: all mean the same to the user
             raise TaskDataError(
                 f"{self.name}: could not load GLUE from the Hub ({self.hf_dataset!r}: {type(exc).__name__}: {exc}). "

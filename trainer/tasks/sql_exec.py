@@ -16,7 +16,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-_READ_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+_READ_ACTIONS = {
+    sqlite3.SQLITE_SELECT,
+    sqlite3.SQLITE_READ,
+    sqlite3.SQLITE_FUNCTION,
+    sqlite3.SQLITE_RECURSIVE,
+}
 _PROGRESS_EVERY = 1000  # SQLite VM instructions between deadline checks
 
 
@@ -49,11 +54,16 @@ class SqliteRunner:
         if db_id not in self._connections:
             path = self.db_path(db_id)
             if not path.is_file():
-                raise FileNotFoundError(f"no database {path} (expected <database dir>/<db_id>/<db_id>.sqlite)")
+                raise FileNotFoundError(
+                    f"no database {path} (expected <database dir>/<db_id>/<db_id>.sqlite)"
+                )
             conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
-            conn.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in _READ_ACTIONS else sqlite3.SQLITE_DENY)
+            conn.set_authorizer(
+                lambda action, *_: sqlite3.SQLITE_OK if action in _READ_ACTIONS else sqlite3.SQLITE_DENY
+            )
             conn.set_progress_handler(lambda: int(time.monotonic() > self._deadline), _PROGRESS_EVERY)
-            conn.text_factory = lambda raw: raw.decode("utf-8", errors="replace")  # Spider has some latin-1 text
+            # Some Spider databases hold latin-1 bytes in TEXT columns; sqlite3 would raise on them.
+            conn.text_factory = lambda raw: raw.decode("utf-8", errors="replace")
             self._connections[db_id] = conn
         return self._connections[db_id]
 

@@ -49,7 +49,7 @@ def tokenize(sql: str) -> list[str]:
         if match is None or match.end() == pos:
             if text[pos:].strip() == "":
                 break
-            raise SqlParseError(f"cannot read SQL at {text[pos:pos + 20]!r}")
+            raise SqlParseError(f"cannot read SQL at {text[pos : pos + 20]!r}")
         pos = match.end()
         if match.group("str") is not None or match.group("num") is not None:
             tokens.append(VALUE)

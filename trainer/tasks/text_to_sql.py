@@ -118,7 +118,9 @@ class SpiderTask(Task):
         if self._schemas is None:
             path = self.data_dir / "tables.json"
             if not path.is_file():
-                raise TaskDataError(f"{self.name}: no {path}; expected Spider's layout (tables.json, database/, dev.json)")
+                raise TaskDataError(
+                    f"{self.name}: no {path}; expected Spider's layout (tables.json, database/, dev.json)"
+                )
             self._schemas = {e["db_id"]: DbSchema.from_tables_json(e) for e in json.loads(path.read_text())}
         return self._schemas
 
@@ -126,14 +128,18 @@ class SpiderTask(Task):
         """Examples ``{db_id, question, query}``; ``dev`` means validation; train adds train_others.json if present."""
         split = "validation" if split == "dev" else split
         if split not in SPLIT_FILES:
-            raise TaskDataError(f"{self.name}: unknown split {split!r}; expected one of {', '.join(SPLIT_FILES)}")
+            raise TaskDataError(
+                f"{self.name}: unknown split {split!r}; expected one of {', '.join(SPLIT_FILES)}"
+            )
         paths = [self.data_dir / f for f in SPLIT_FILES[split]]
         if not paths[0].is_file():
             raise TaskDataError(f"{self.name}: no {paths[0]} for split {split!r}")
         examples = []
         for path in (p for p in paths if p.is_file()):
             for record in json.loads(path.read_text()):
-                examples.append({"db_id": record["db_id"], "question": record["question"], "query": record["query"]})
+                examples.append(
+                    {"db_id": record["db_id"], "question": record["question"], "query": record["query"]}
+                )
         unknown = sorted({e["db_id"] for e in examples} - set(self.schemas()))
         if unknown:
             raise TaskDataError(f"{self.name}: databases {unknown[:5]} are not in tables.json")
@@ -149,7 +155,9 @@ class SpiderTask(Task):
     def score(self, predictions: list[str], examples: list[dict]) -> dict[str, float]:
         """``exact_match`` and ``execution_accuracy``, plus counts of unreadable, failing and timed-out predictions."""
         self._check_aligned(predictions, examples)
-        counts = {"exact": 0, "execution": 0, "unparsed": 0, "exec_errors": 0, "timeouts": 0, "gold_errors": 0}
+        counts = dict.fromkeys(
+            ("exact", "execution", "unparsed", "exec_errors", "timeouts", "gold_errors"), 0
+        )
         gold_cache: dict[tuple[str, str], object] = {}
         with SqliteRunner(self.db_root, timeout_s=self.timeout_s) as runner:
             for generated, example in zip(predictions, examples):
@@ -165,7 +173,9 @@ class SpiderTask(Task):
             "n": n,
         }
 
-    def _score_one(self, sql: str, example: dict, runner: SqliteRunner, gold_cache: dict, counts: dict) -> None:
+    def _score_one(
+        self, sql: str, example: dict, runner: SqliteRunner, gold_cache: dict, counts: dict
+    ) -> None:
         db_id, gold = example["db_id"], example["query"]
         columns = self.schemas()[db_id].column_sets()
         try:
@@ -185,6 +195,7 @@ class SpiderTask(Task):
             return
         predicted = runner.run(db_id, sql) if sql else None
         if predicted is None or not predicted.ok:
-            counts["timeouts" if predicted is not None and predicted.error == "timeout" else "exec_errors"] += 1
+            timed_out = predicted is not None and predicted.error == "timeout"
+            counts["timeouts" if timed_out else "exec_errors"] += 1
             return
         counts["execution"] += results_match(predicted.rows, gold_result.rows, has_top_level_order_by(gold))
