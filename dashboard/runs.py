@@ -1,0 +1,201 @@
+"""Which runs exist under the log root, which one a request means, and whether it is alive.
+
+Security lives here: a run name from a request is only ever looked up in the table of folders
+found under the root, never joined onto a path, so ``../``, absolute paths, encoded variants and
+symlinks that leave the root cannot name anything.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer import runlog
+
+from .errors import DashboardError
+from .reader import inside
+from .rundata import RunData, read_json_under
+
+MAX_DEPTH = 4
+SKIP_DIRS = (runlog.LOGS_DIR, runlog.BEST_ADAPTER_DIR, "__pycache__", "node_modules")
+
+
+def is_run_folder(path: Path) -> bool:
+    return (path / runlog.RUN_JSON).is_file() or (path / runlog.LOGS_DIR).is_dir()
+
+
+def _walk(folder: Path, root: Path, rel: str, depth: int, found: dict[str, Path], seen: set) -> None:
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in entries:
+        name = entry.name
+        if name.startswith(".") or name in SKIP_DIRS or runlog.checkpoint_step(name) is not None:
+            continue
+        try:
+            if not entry.is_dir():
+                continue
+        except OSError:
+            continue
+        path = Path(entry.path)
+        real = os.path.realpath(path)
+        if real in seen or not inside(path, root):
+            continue
+        seen.add(real)
+        child = f"{rel}/{name}" if rel else name
+        if is_run_folder(path):
+            found[child] = path
+        elif depth < MAX_DEPTH:
+            _walk(path, root, child, depth + 1, found, seen)
+
+
+def discover(root: Path) -> dict[str, Path]:
+    """Run folders under ``root`` by name (path relative to root, '/'-separated).
+
+    The root itself may be a run; it is then the only one, named after its folder.
+    """
+    if is_run_folder(root):
+        return {root.name or "run": root}
+    found: dict[str, Path] = {}
+    _walk(root, root, "", 1, found, {os.path.realpath(root)})
+    return found
+
+
+def started_at(path: Path, root: Path) -> float:
+    """When a run started: run.json's ``started_at``, else its folder's modification time."""
+    value = read_json_under(path / runlog.RUN_JSON, root).get("started_at")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+class RunRegistry:
+    """Cached discovery plus one ``RunData`` per opened run (least recently used ones dropped)."""
+
+    def __init__(self, root: Path, ttl: float = 2.0, max_open: int = 16):
+        self.root = Path(root)
+        self.ttl = ttl
+        self.max_open = max_open
+        self._lock = threading.Lock()
+        self._found: dict[str, Path] = {}
+        self._started: dict[str, float] = {}
+        self._found_at = -1e18
+        self._open: OrderedDict[str, RunData] = OrderedDict()
+
+    def runs(self) -> dict[str, Path]:
+        """Name -> folder, newest first, re-scanned at most every ``ttl`` seconds."""
+        with self._lock:
+            if time.monotonic() - self._found_at > self.ttl:
+                found = discover(self.root)
+                started = {name: started_at(path, self.root) for name, path in found.items()}
+                order = sorted(found, key=lambda name: (-started[name], name))
+                self._found = {name: found[name] for name in order}
+                self._started = started
+                self._found_at = time.monotonic()
+            return dict(self._found)
+
+    def started(self, name: str) -> float:
+        return self._started.get(name, 0.0)
+
+    def latest_name(self) -> str:
+        runs = self.runs()
+        if not runs:
+            raise DashboardError(
+                404, f"no runs under the log root yet (a run is a folder with {runlog.RUN_JSON} or logs/)"
+            )
+        return next(iter(runs))
+
+    def get(self, name: str | None) -> RunData:
+        """The run a request names (the most recent one when ``name`` is empty), refreshed."""
+        if not name:
+            name = self.latest_name()
+        path = self.runs().get(name)
+        if path is None:
+            raise DashboardError(404, f"unknown run {name!r}; see /api/runs for the runs under the log root")
+        with self._lock:
+            run = self._open.get(name)
+            if run is None or run.path != path:
+                run = self._open[name] = RunData(name, path, self.root)
+            self._open.move_to_end(name)
+            while len(self._open) > self.max_open:
+                self._open.popitem(last=False)
+        run.refresh()
+        return run
+
+
+@dataclass(frozen=True)
+class StallPolicy:
+    """When a run that says it is running counts as stalled (see ``assess``)."""
+
+    factor: float = 10.0
+    min_seconds: float = 60.0
+    startup_seconds: float = 900.0
+
+
+def typical_interval(timestamps) -> float | None:
+    """Median seconds between consecutive training records (None with fewer than two)."""
+    values = list(timestamps)
+    gaps = [b - a for a, b in zip(values, values[1:]) if b >= a]
+    return statistics.median(gaps) if gaps else None
+
+
+def _ts(record: dict) -> float | None:
+    value = record.get("ts")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def lifecycle(events: list[dict]) -> tuple[str | None, float | None]:
+    """(status of a run_end after the last run_start, time of the last run_start)."""
+    for event in reversed(events):
+        kind = event.get("event")
+        if kind == "run_start":
+            return None, _ts(event)
+        if kind == "run_end":
+            status = event.get("status")
+            return (status if isinstance(status, str) else "finished"), None
+    return None, None
+
+
+def assess(
+    run_json: dict,
+    events: list[dict],
+    errors: list[dict],
+    train_ts: list[float],
+    last_activity: float | None,
+    now: float,
+    policy: StallPolicy,
+) -> tuple[str, str]:
+    """(status, why): running, finished, failed, interrupted, or stalled.
+
+    run.json's final status wins, then a ``run_end`` event after the last ``run_start``, then an
+    error logged after the last start with no training record since. Otherwise a run is running,
+    unless nothing arrived for much longer than its usual step time: ``policy.factor`` times the
+    median interval between training records, at least ``policy.min_seconds``
+    (``policy.startup_seconds`` before its first two records) - then it is stalled.
+    """
+    declared = run_json.get("status")
+    if declared in ("finished", "failed", "interrupted"):
+        return declared, "run.json status"
+    ended, started = lifecycle(events)
+    if ended in ("finished", "failed", "interrupted"):
+        return ended, "run_end event"
+    error_times = [t for t in map(_ts, errors) if t is not None and (started is None or t >= started)]
+    if error_times and (not train_ts or train_ts[-1] <= max(error_times)):
+        return "failed", "error logged and no training step since"
+    if last_activity is None:
+        return "running", "no records yet"
+    interval = typical_interval(train_ts)
+    limit = max(policy.min_seconds, policy.factor * interval) if interval else policy.startup_seconds
+    quiet = now - last_activity
+    if quiet > limit:
+        return "stalled", f"no record for {quiet:.0f} s (limit {limit:.0f} s)"
+    return "running", "records arriving" if interval else "starting: no training steps logged yet"

@@ -1,0 +1,127 @@
+"""Series arithmetic shared by the API and the plots: downsampling and smoothing.
+
+Downsampling keeps the first and last points and, in between, the lowest and highest point of
+each bucket, so a loss spike survives on a thousand-point plot of a million steps (TensorBoard's
+random sampling can drop it). Smoothing follows TensorBoard: a bias-corrected exponential moving
+average where non-finite points pass through unsmoothed and do not disturb the average.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+SMOOTHING_MODES = ("ema", "ma", "off")
+DEFAULT_EMA_WEIGHT = 0.6
+DEFAULT_MA_WINDOW = 10
+
+
+def downsample_indices(values: np.ndarray, max_points: int) -> np.ndarray:
+    """Indices to keep: all when few enough, else first, last, and each bucket's min and max."""
+    n = len(values)
+    if max_points <= 0 or n <= max_points:
+        return np.arange(n)
+    buckets = max(1, (max_points - 2) // 2)
+    inner = n - 2
+    size = math.ceil(inner / buckets)
+    buckets = math.ceil(inner / size)
+    padded = np.full(buckets * size, np.nan)
+    padded[:inner] = values[1:-1]
+    grid = padded.reshape(buckets, size)
+    finite = np.isfinite(grid)
+    low = np.where(finite, grid, np.inf).argmin(axis=1)
+    high = np.where(finite, grid, -np.inf).argmax(axis=1)
+    offsets = np.arange(buckets) * size + 1
+    # Rows that are all NaN pick their first (real) position, never the padding.
+    return np.unique(np.concatenate(([0], offsets + low, offsets + high, [n - 1])))
+
+
+def ema_reference(values: Sequence[float], weight: float = DEFAULT_EMA_WEIGHT) -> list[float]:
+    """TensorBoard's smoothing, point by point (``ema`` computes the same thing faster)."""
+    out = []
+    last = 0.0
+    count = 0
+    for value in values:
+        if not math.isfinite(value):
+            out.append(value)
+            continue
+        last = last * weight + (1 - weight) * value
+        count += 1
+        out.append(last / (1.0 - weight**count))
+    return out
+
+
+def ema(values: Sequence[float], weight: float = DEFAULT_EMA_WEIGHT) -> np.ndarray:
+    """TensorBoard's smoothing: bias-corrected EMA; non-finite points pass through and are skipped.
+
+    Vectorized in blocks: inside a block, y_i = w^(i+1) y_prev + (1-w) sum_j w^(i-j) x_j, a
+    cumulative sum of x_j w^-j; blocks are short enough that w^-j stays far from overflow.
+    Several times faster than the loop on a million points, equal to it within rounding.
+    """
+    array = np.asarray(values, dtype=float)
+    out = array.copy()
+    positions = np.flatnonzero(np.isfinite(array))
+    x = array[positions]
+    if weight <= 0 or len(x) == 0:
+        return out
+    block = max(1, min(1024, int(250 / -math.log10(weight))))
+    blocks = -(-len(x) // block)
+    grid = np.zeros(blocks * block)
+    grid[: len(x)] = x
+    grid = grid.reshape(blocks, block)
+    powers = weight ** np.arange(block + 1)
+    # Each block as if it started from zero, then carry the previous block's last value in.
+    partial = np.cumsum(grid / powers[:block], axis=1) * powers[:block] * (1 - weight)
+    carried = np.empty(blocks)
+    previous = 0.0
+    for k, last in enumerate(partial[:, -1].tolist()):
+        carried[k] = previous
+        previous = last + previous * powers[block]
+    y = (partial + carried[:, None] * powers[1:]).ravel()[: len(x)]
+    # Bias correction 1 - w^k; w^k is below double precision after a few dozen points.
+    head = min(len(x), int(40 / -math.log10(weight)) + 1)
+    y[:head] /= 1.0 - weight ** np.arange(1, head + 1)
+    out[positions] = y
+    return out
+
+
+def last_ema(values: Sequence[float], weight: float = DEFAULT_EMA_WEIGHT, tail: int = 400) -> float | None:
+    """The smoothed value at the end of a series, from its last ``tail`` finite points.
+
+    Older points weigh at most ``weight ** tail`` (1e-89 at 0.6), so this equals the full
+    computation while costing the same on a million points as on a hundred.
+    """
+    finite = []
+    for value in reversed(values):
+        if math.isfinite(value):
+            finite.append(value)
+            if len(finite) >= tail:
+                break
+    if not finite:
+        return None
+    return float(ema(finite[::-1], weight)[-1])
+
+
+def moving_average(values: Sequence[float], window: int = DEFAULT_MA_WINDOW) -> np.ndarray:
+    """Trailing mean over the last ``window`` finite points; NaN points stay NaN."""
+    array = np.asarray(values, dtype=float)
+    out = array.copy()
+    positions = np.flatnonzero(np.isfinite(array))
+    if len(positions):
+        # For the k-th finite point, the mean of finite points k-window+1 .. k.
+        sums = np.concatenate(([0.0], np.cumsum(array[positions])))
+        k = np.arange(1, len(positions) + 1)
+        lo = np.maximum(k - window, 0)
+        out[positions] = (sums[k] - sums[lo]) / (k - lo)
+    return out
+
+
+def smooth(values: Sequence[float], mode: str, weight: float, window: int) -> np.ndarray | None:
+    """The smoothed line for a plot, or None when smoothing is off."""
+    if mode == "ema":
+        return ema(values, weight)
+    if mode == "ma":
+        return moving_average(values, window)
+    return None

@@ -1,0 +1,102 @@
+"""The page: rendered from the same data functions as the API, then kept fresh by static/app.js."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from flask import Blueprint, current_app, render_template, request, url_for
+
+from . import data
+from .errors import DashboardError, float_arg
+from .plots import PLOT_NAMES, PLOT_SOURCES
+
+bp = Blueprint("views", __name__)
+
+POLL_CHOICES = (1, 2, 5, 10, 30, 60)
+
+
+def state():
+    return current_app.extensions["dashboard"]
+
+
+def page_data(run_name: str | None) -> dict:
+    """Everything the page shows at first paint; app.js refreshes each part from the API."""
+    registry, policy = state().registry, state().policy
+    run = registry.get(run_name)
+    return {
+        "run": run.name,
+        "runs": data.runs(registry, policy),
+        "stats": data.stats(run, policy),
+        "checkpoints": data.checkpoints(run),
+        "evals": data.evals(run),
+        "events": data.events(run, None, 200, None),
+        "errors": data.errors(run),
+        "gpu": data.gpu(run, None, None, 0, False),
+        "experts": {k: v for k, v in data.experts(run, "latest", None, None).items() if k != "matrix"},
+    }
+
+
+@bp.get("/")
+def index():
+    """The dashboard page for ``run=`` (default: the most recent run)."""
+    interval = float_arg(request.args, "interval", current_app.config["DASHBOARD_POLL_SECONDS"], 0.5, 3600.0)
+    try:
+        initial = page_data(request.args.get("run"))
+    except DashboardError as error:
+        if error.status != 404 or request.args.get("run"):
+            raise
+        initial = None  # an empty log root: show the page, it fills once a run appears
+    return render_template(
+        "index.html",
+        initial=initial,
+        stats=initial["stats"] if initial else None,
+        interval=interval,
+        poll_choices=sorted({*POLL_CHOICES, interval}),
+        plots=PLOT_NAMES,
+        plot_sources=PLOT_SOURCES,
+        token=request.args.get("token") or "",
+        log_root=current_app.config["DASHBOARD_LOG_ROOT"],
+    )
+
+
+@bp.app_context_processor
+def asset_helper() -> dict:
+    """``asset('app.js')``: a static URL that carries the token, since every route but /health needs it."""
+
+    def asset(filename: str) -> str:
+        token = request.args.get("token")
+        return url_for("static", filename=filename, **({"token": token} if token else {}))
+
+    return {"asset": asset}
+
+
+def error_page(status: int, message: str):
+    return render_template(
+        "error.html", status=status, message=message, token=request.args.get("token") or ""
+    ), status
+
+
+@bp.app_template_filter("num")
+def format_number(value, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.{digits}g}"
+
+
+@bp.app_template_filter("duration")
+def format_duration(seconds) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
+
+
+@bp.app_template_filter("clock")
+def format_clock(ts) -> str:
+    if ts is None:
+        return "-"
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
