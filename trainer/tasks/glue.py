@@ -154,21 +154,24 @@ class GlueTask(Task):
             raise TaskDataError(f"{self.name}: unknown split {split!r}; expected one of {', '.join(files)}")
         return files[split]
 
-    def _folder(self) -> Path:
+    def _folder(self, first_file: str) -> Path:
+        """The task's folder in a GLUE download, or ``data_dir`` itself when it holds the files."""
         assert self.data_dir is not None
-        for folder in (self.data_dir / self.spec.folder, self.data_dir):
-            if any((folder / f).is_file() for f in ("train.tsv", "dev.tsv", "dev_matched.tsv")):
-                return folder
+        if (self.data_dir / self.spec.folder).is_dir():
+            return self.data_dir / self.spec.folder
+        if (self.data_dir / first_file).is_file():
+            return self.data_dir
         raise TaskDataError(
-            f"{self.name}: no GLUE files under {self.data_dir}; expected {self.spec.folder}/dev.tsv "
-            f"(the GLUE download's layout) or dev.tsv directly in that folder"
+            f"{self.name}: no {self.data_dir / self.spec.folder / first_file}; expected the GLUE download's "
+            f"layout ({self.spec.folder}/{first_file} under data_dir) or {first_file} directly in data_dir"
         )
 
     def _load_local(self, split: str) -> list[dict]:
-        folder = self._folder()
+        files = self._split_files(split)
+        folder = self._folder(files[0][0])
         examples: list[dict] = []
         skipped = 0
-        for filename, subset in self._split_files(split):
+        for filename, subset in files:
             path = folder / filename
             if not path.is_file():
                 raise TaskDataError(f"{self.name}: missing {path} for split {split!r}")

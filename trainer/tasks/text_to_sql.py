@@ -131,6 +131,7 @@ class SpiderTask(Task):
             raise TaskDataError(
                 f"{self.name}: unknown split {split!r}; expected one of {', '.join(SPLIT_FILES)}"
             )
+        schemas = self.schemas()
         paths = [self.data_dir / f for f in SPLIT_FILES[split]]
         if not paths[0].is_file():
             raise TaskDataError(f"{self.name}: no {paths[0]} for split {split!r}")
@@ -140,7 +141,7 @@ class SpiderTask(Task):
                 examples.append(
                     {"db_id": record["db_id"], "question": record["question"], "query": record["query"]}
                 )
-        unknown = sorted({e["db_id"] for e in examples} - set(self.schemas()))
+        unknown = sorted({e["db_id"] for e in examples} - set(schemas))
         if unknown:
             raise TaskDataError(f"{self.name}: databases {unknown[:5]} are not in tables.json")
         return examples
@@ -177,6 +178,8 @@ class SpiderTask(Task):
         self, sql: str, example: dict, runner: SqliteRunner, gold_cache: dict, counts: dict
     ) -> None:
         db_id, gold = example["db_id"], example["query"]
+        if db_id not in self.schemas():
+            raise TaskDataError(f"{self.name}: database {db_id!r} is not in tables.json")
         columns = self.schemas()[db_id].column_sets()
         try:
             canonical(sql, columns)
