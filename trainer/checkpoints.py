@@ -38,7 +38,11 @@ class CheckpointInfo:
 
 def is_complete(path: Path) -> bool:
     """Complete = renamed into place, with its state file and weights."""
-    if path.name.startswith(TMP_PREFIX) or not (path / TRAINER_STATE).is_file() or not (path / STATE_DIR).is_dir():
+    if (
+        path.name.startswith(TMP_PREFIX)
+        or not (path / TRAINER_STATE).is_file()
+        or not (path / STATE_DIR).is_dir()
+    ):
         return False
     return any((path / name).is_file() for name in MODEL_FILES)
 
@@ -73,7 +77,9 @@ def resolve_resume_path(path: str | Path) -> CheckpointInfo:
         raise CheckpointError(f"--resume_from: path not found: {path}")
     if checkpoint_step(path.name) is not None:
         if not is_complete(path):
-            raise CheckpointError(f"--resume_from: {path} is not a complete checkpoint (missing {TRAINER_STATE} or weights)")
+            raise CheckpointError(
+                f"--resume_from: {path} is not a complete checkpoint (missing {TRAINER_STATE} or weights)"
+            )
         return CheckpointInfo(path, checkpoint_step(path.name), read_state(path))
     latest = latest_checkpoint(path)
     if latest is None:
@@ -112,6 +118,8 @@ def save_checkpoint(accelerator, model, tokenizer, output_dir: Path, name: str, 
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if os.environ.get("KIT_TEST_CRASH_DURING_SAVE") == name:
+            os._exit(137)  # fault injection for the tests: die like SIGKILL half-way through a save
         (tmp / TRAINER_STATE).write_text(json.dumps({**state, "ts": round(time.time(), 3)}, indent=2) + "\n")
         fsync_tree(tmp)
         if final.exists():
@@ -128,7 +136,11 @@ def save_checkpoint(accelerator, model, tokenizer, output_dir: Path, name: str, 
 
 def prune_checkpoints(output_dir: Path, keep_top_k: int, greater_is_better: bool) -> list[Path]:
     """Keep the top-K periodic checkpoints by metric, plus the latest; return what was removed."""
-    periodic = [c for c in list_checkpoints(output_dir, include_final=False) if c.path.name.startswith(CHECKPOINT_PREFIX)]
+    periodic = [
+        c
+        for c in list_checkpoints(output_dir, include_final=False)
+        if c.path.name.startswith(CHECKPOINT_PREFIX)
+    ]
     if len(periodic) <= keep_top_k:
         return []
     latest = periodic[-1]

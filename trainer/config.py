@@ -209,6 +209,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):
+            value = _yaml_number(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
@@ -217,6 +219,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
     raise ConfigError(f"{where}: unsupported type {tp}")
+
+
+def _yaml_number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _section_hints(section_cls: type) -> dict[str, Any]:
@@ -232,7 +241,9 @@ def build_config(raw: dict, source: str = "config") -> Config:
     sections = {}
     for section_name, values in raw.items():
         if section_name not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section '{section_name}'{_nearest(section_name, list(SECTIONS))}")
+            raise ConfigError(
+                f"{source}: unknown section '{section_name}'{_nearest(section_name, list(SECTIONS))}"
+            )
         section_cls = typing.get_type_hints(Config)[section_name]
         hints = _section_hints(section_cls)
         if values is None:
@@ -242,9 +253,7 @@ def build_config(raw: dict, source: str = "config") -> Config:
         kwargs = {}
         for key, value in values.items():
             if key not in hints:
-                raise ConfigError(
-                    f"{source}: unknown key '{section_name}.{key}'{_nearest(key, list(hints))}"
-                )
+                raise ConfigError(f"{source}: unknown key '{section_name}.{key}'{_nearest(key, list(hints))}")
             kwargs[key] = _coerce(value, hints[key], f"{source}: {section_name}.{key}")
         sections[section_name] = section_cls(**kwargs)
     return Config(**sections)
@@ -301,7 +310,9 @@ def validate(config: Config) -> None:
     t, o, lo, e, d = config.training, config.optimization, config.lora, config.eval, config.data
     _require(o.learning_rate > 0, f"optimization.learning_rate: expected > 0, got {o.learning_rate}")
     _require(o.weight_decay >= 0, f"optimization.weight_decay: expected >= 0, got {o.weight_decay}")
-    _require(o.max_grad_norm >= 0, f"optimization.max_grad_norm: expected >= 0 (0 disables), got {o.max_grad_norm}")
+    _require(
+        o.max_grad_norm >= 0, f"optimization.max_grad_norm: expected >= 0 (0 disables), got {o.max_grad_norm}"
+    )
     _require(0 <= o.warmup_ratio < 1, f"optimization.warmup_ratio: expected in [0, 1), got {o.warmup_ratio}")
     _require(o.warmup_steps >= 0, f"optimization.warmup_steps: expected >= 0, got {o.warmup_steps}")
     _require(0 <= o.min_lr_ratio <= 1, f"optimization.min_lr_ratio: expected in [0, 1], got {o.min_lr_ratio}")
@@ -326,16 +337,23 @@ def validate(config: Config) -> None:
     _require(0 <= d.val_fraction < 1, f"data.val_fraction: expected in [0, 1), got {d.val_fraction}")
     _require(config.memory.max_oom_retries >= 0, "memory.max_oom_retries: expected >= 0")
     _require(
-        lo.init == "default" or lo.init in ("gaussian", "pissa", "olora", "loftq") or lo.init.startswith("pissa_niter_"),
+        lo.init == "default"
+        or lo.init in ("gaussian", "pissa", "olora", "loftq")
+        or lo.init.startswith("pissa_niter_"),
         f"lora.init: expected default, gaussian, pissa or pissa_niter_N, got {lo.init!r}",
     )
     _require(
-        Path(config.paths.train_file).is_file(), f"paths.train_file: file not found: {config.paths.train_file}"
+        Path(config.paths.train_file).is_file(),
+        f"paths.train_file: file not found: {config.paths.train_file}",
     )
     if config.paths.val_file is not None:
-        _require(Path(config.paths.val_file).is_file(), f"paths.val_file: file not found: {config.paths.val_file}")
+        _require(
+            Path(config.paths.val_file).is_file(), f"paths.val_file: file not found: {config.paths.val_file}"
+        )
     if t.method == "qlora" and t.mixed_precision == "fp16" and config.quantization.compute_dtype == "bf16":
-        raise ConfigError("quantization.compute_dtype: bf16 with training.mixed_precision fp16; use fp16 for both")
+        raise ConfigError(
+            "quantization.compute_dtype: bf16 with training.mixed_precision fp16; use fp16 for both"
+        )
     model_path = Path(config.model.name_or_path)
     looks_local = config.model.name_or_path.startswith((".", "/", "~")) or model_path.exists()
     if looks_local:

@@ -64,8 +64,11 @@ def make_optimizer(model, cfg: Config, on_cuda: bool):
         raise RuntimeError(f"optimization.optimizer: {o.optimizer} needs a CUDA GPU; use adamw on CPU")
     import bitsandbytes as bnb
 
-    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
-           "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[o.optimizer]
+    cls = {
+        "adamw_8bit": bnb.optim.AdamW8bit,
+        "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+        "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
+    }[o.optimizer]
     return cls(groups, **kwargs)
 
 
@@ -86,8 +89,13 @@ def make_scheduler(optimizer, cfg: Config, total_steps: int):
         name, extra = "cosine_with_min_lr", {"min_lr_rate": o.min_lr_ratio}
     elif name == "polynomial":
         extra = {"power": o.polynomial_power, "lr_end": o.learning_rate * o.min_lr_ratio}
-    return get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
-                         scheduler_specific_kwargs=extra or None)
+    return get_scheduler(
+        name,
+        optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=total_steps,
+        scheduler_specific_kwargs=extra or None,
+    )
 
 
 @dataclass
@@ -98,7 +106,9 @@ class Position:
     row: int = 0
 
 
-def next_step_rows(train_rows: int, rows_per_step: int, seed: int, pos: Position) -> tuple[list[int], Position]:
+def next_step_rows(
+    train_rows: int, rows_per_step: int, seed: int, pos: Position
+) -> tuple[list[int], Position]:
     """Row ids for the next optimizer step; a partial remainder at an epoch's end is dropped."""
     if pos.row + rows_per_step > train_rows:
         pos = Position(pos.epoch + 1, 0)
@@ -118,12 +128,18 @@ def count_targets(batch: dict) -> int:
 
 def forward_loss(model, batch: dict, accelerator):
     """Summed next-token cross-entropy of one micro-batch, and the router aux loss if the model has one."""
-    inputs = {k: batch[k].to(accelerator.device) for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
+    inputs = {
+        k: batch[k].to(accelerator.device)
+        for k in ("input_ids", "position_ids", "attention_mask")
+        if k in batch
+    }
     with accelerator.autocast():
         out = model(**inputs, use_cache=False)
     logits = out.logits[:, :-1].float()
     labels = batch["labels"][:, 1:].to(logits.device)
-    ce_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    ce_sum = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
     return ce_sum, getattr(out, "aux_loss", None)
 
 
@@ -212,7 +228,9 @@ def load_checkpoint_weights(model, checkpoint: Path, accelerator) -> None:
     missing, unexpected = unwrapped.load_state_dict(state, strict=False)
     tied = set(getattr(unwrapped, "_tied_weights_keys", None) or [])
     if unexpected or [k for k in missing if k not in tied and "lm_head" not in k]:
-        raise ckpt.CheckpointError(f"{checkpoint}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ckpt.CheckpointError(
+            f"{checkpoint}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
 
 
 def skip_model_state(accelerator) -> None:
@@ -297,7 +315,9 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
             config_source=config_source,
             resumes=run_info.get("resumes", 0) + (1 if resume_from else 0),
         )
-        log.event("run_start", step=step, resumed=resume_from is not None, world_size=world, total_steps=total_steps)
+        log.event(
+            "run_start", step=step, resumed=resume_from is not None, world_size=world, total_steps=total_steps
+        )
         if resume_from is not None:
             log.event("resume", step=step, from_checkpoint=str(resume_from.path))
         log.event("data_report", step=step, **data.report.as_event())
@@ -309,7 +329,9 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
         record_failure(log, exc, step, accelerator)
         raise
 
-    telemetry = TelemetrySampler(output_dir, cfg.logging.telemetry_interval, enabled=accelerator.is_local_main_process)
+    telemetry = TelemetrySampler(
+        output_dir, cfg.logging.telemetry_interval, enabled=accelerator.is_local_main_process
+    )
     telemetry.start()
     stop = StopFlag()
     stop.install()
@@ -329,7 +351,9 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
             t0 = time.time()
             rows, pos = next_step_rows(len(data.train), rows_per_step, cfg.training.seed, pos)
             batches = micro_batches(rows, data.train, micro, world, accelerator.process_index, pad_id)
-            local_targets = torch.tensor(float(sum(count_targets(b) for b in batches)), device=accelerator.device)
+            local_targets = torch.tensor(
+                float(sum(count_targets(b) for b in batches)), device=accelerator.device
+            )
             global_targets = accelerator.reduce(local_targets, "sum").clamp(min=1.0)
             ce_total = torch.zeros((), device=accelerator.device)
             aux_total = torch.zeros((), device=accelerator.device)
@@ -366,14 +390,21 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
             final_loss = step_loss
 
             elapsed_step = time.time() - t0
-            step_time_ema = elapsed_step if step_time_ema is None else 0.9 * step_time_ema + 0.1 * elapsed_step
+            step_time_ema = (
+                elapsed_step if step_time_ema is None else 0.9 * step_time_ema + 0.1 * elapsed_step
+            )
             tokens_all = int(accelerator.reduce(torch.tensor(input_tokens, device=accelerator.device), "sum"))
             if step % cfg.logging.interval == 0 or step == total_steps:
                 record = {
-                    "step": step, "total_steps": total_steps,
+                    "step": step,
+                    "total_steps": total_steps,
                     "epoch": round(pos.epoch + pos.row / len(data.train), 4),
-                    "loss": step_loss, "lr": lr, "grad_norm": grad_norm, "tokens": int(global_targets),
-                    "tokens_per_sec": round(tokens_all / elapsed_step, 1), "steps_per_sec": round(1 / elapsed_step, 4),
+                    "loss": step_loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens": int(global_targets),
+                    "tokens_per_sec": round(tokens_all / elapsed_step, 1),
+                    "steps_per_sec": round(1 / elapsed_step, 4),
                     "eta_seconds": round(step_time_ema * (total_steps - step), 1),
                     "elapsed": round(time.time() - train_start, 2),
                     "peak_mem_mb": peak_memory_mb(accelerator.device),
@@ -384,11 +415,23 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
                     record["skipped"] = True
                 log.write(runlog.TRAINING_LOG, record)
                 if cfg.logging.report_to:
-                    accelerator.log({"train/loss": step_loss, "train/lr": lr, "train/grad_norm": grad_norm}, step=step)
+                    accelerator.log(
+                        {"train/loss": step_loss, "train/lr": lr, "train/grad_norm": grad_norm}, step=step
+                    )
             if counter.active and (step % cfg.logging.expert_interval == 0 or step == total_steps):
-                layers = counter.flush(all_reduce=lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu())
-                log.write(runlog.EXPERT_LOG, {"step": step, "start_step": expert_window_start,
-                                              "num_experts": counter.num_experts, "top_k": counter.top_k, "layers": layers})
+                layers = counter.flush(
+                    all_reduce=lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu()
+                )
+                log.write(
+                    runlog.EXPERT_LOG,
+                    {
+                        "step": step,
+                        "start_step": expert_window_start,
+                        "num_experts": counter.num_experts,
+                        "top_k": counter.top_k,
+                        "layers": layers,
+                    },
+                )
                 expert_window_start = step + 1
             if progress is not None:
                 progress.update(1)
@@ -396,16 +439,42 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
 
             should_save = step % cfg.training.save_steps == 0 and step < total_steps
             if step % cfg.eval.interval == 0 or should_save or (step == total_steps and cfg.eval.at_end):
-                last_eval = run_evaluation(model, data.val, cfg, accelerator, pad_id, counter, log, step, best)
+                last_eval = run_evaluation(
+                    model, data.val, cfg, accelerator, pad_id, counter, log, step, best
+                )
                 if cfg.logging.report_to and last_eval:
                     accelerator.log({"eval/loss": last_eval["eval_loss"]}, step=step)
             if should_save:
-                best = save_and_retain(accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, "periodic")
+                best = save_and_retain(
+                    accelerator,
+                    model,
+                    tokenizer,
+                    cfg,
+                    output_dir,
+                    log,
+                    step,
+                    pos,
+                    last_eval,
+                    best,
+                    "periodic",
+                )
             if stop_requested(stop, accelerator):
                 signame = signal.Signals(stop.signum).name if stop.signum else "SIGTERM"
                 log.event("signal", step=step, signal=signame)
                 if not should_save:
-                    best = save_and_retain(accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, "signal")
+                    best = save_and_retain(
+                        accelerator,
+                        model,
+                        tokenizer,
+                        cfg,
+                        output_dir,
+                        log,
+                        step,
+                        pos,
+                        last_eval,
+                        best,
+                        "signal",
+                    )
                 exit_code = EXIT_SIGNAL.get(stop.signum, 143)
                 break
             if step % 10 == 0:
@@ -415,9 +484,19 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
             state = trainer_state(step, pos, last_eval, best, cfg)
             path = ckpt.save_checkpoint(accelerator, model, tokenizer, output_dir, name, state)
             if is_main:
-                log.event("checkpoint_saved", step=step, path=str(path), size_bytes=ckpt.folder_size(path),
-                          metric=cfg.eval.metric_for_best, metric_value=state["metric_value"], kind="final")
-                if best_is(state["metric_value"], best, cfg) or not (output_dir / runlog.BEST_ADAPTER_DIR).exists():
+                log.event(
+                    "checkpoint_saved",
+                    step=step,
+                    path=str(path),
+                    size_bytes=ckpt.folder_size(path),
+                    metric=cfg.eval.metric_for_best,
+                    metric_value=state["metric_value"],
+                    kind="final",
+                )
+                if (
+                    best_is(state["metric_value"], best, cfg)
+                    or not (output_dir / runlog.BEST_ADAPTER_DIR).exists()
+                ):
                     best = update_best(path, output_dir, log, step, cfg, state["metric_value"], best)
     except BaseException as exc:
         if progress is not None:
@@ -496,8 +575,12 @@ def run_evaluation(model, val, cfg, accelerator, pad_id, counter, log, step, bes
 def trainer_state(step: int, pos: Position, last_eval, best, cfg: Config) -> dict:
     fresh = last_eval if last_eval and last_eval.get("step") == step else None
     return {
-        "step": step, "epoch_index": pos.epoch, "rows_seen": pos.row,
-        "metric": cfg.eval.metric_for_best, "metric_value": metric_value(fresh, cfg), "best_metric": best,
+        "step": step,
+        "epoch_index": pos.epoch,
+        "rows_seen": pos.row,
+        "metric": cfg.eval.metric_for_best,
+        "metric_value": metric_value(fresh, cfg),
+        "best_metric": best,
     }
 
 
@@ -506,11 +589,20 @@ def save_and_retain(accelerator, model, tokenizer, cfg, output_dir, log, step, p
     is_better = best_is(state["metric_value"], best, cfg)
     if is_better:
         state["best_metric"] = state["metric_value"]
-    path = ckpt.save_checkpoint(accelerator, model, tokenizer, output_dir, f"{runlog.CHECKPOINT_PREFIX}{step}", state)
+    path = ckpt.save_checkpoint(
+        accelerator, model, tokenizer, output_dir, f"{runlog.CHECKPOINT_PREFIX}{step}", state
+    )
     if not accelerator.is_main_process:
         return state["best_metric"]
-    log.event("checkpoint_saved", step=step, path=str(path), size_bytes=ckpt.folder_size(path),
-              metric=cfg.eval.metric_for_best, metric_value=state["metric_value"], kind=kind)
+    log.event(
+        "checkpoint_saved",
+        step=step,
+        path=str(path),
+        size_bytes=ckpt.folder_size(path),
+        metric=cfg.eval.metric_for_best,
+        metric_value=state["metric_value"],
+        kind=kind,
+    )
     if is_better:
         update_best(path, output_dir, log, step, cfg, state["metric_value"], best)
     for removed in ckpt.prune_checkpoints(output_dir, cfg.training.keep_top_k, cfg.eval.greater_is_better):
@@ -520,17 +612,25 @@ def save_and_retain(accelerator, model, tokenizer, cfg, output_dir, log, step, p
 
 def update_best(path, output_dir, log, step, cfg, value, best):
     target = ckpt.copy_best_adapter(path, output_dir)
-    log.event("best_updated", step=step, metric=cfg.eval.metric_for_best, metric_value=value, path=str(target))
+    log.event(
+        "best_updated", step=step, metric=cfg.eval.metric_for_best, metric_value=value, path=str(target)
+    )
     return value if value is not None else best
 
 
 def record_failure(log, exc: BaseException, step: int, accelerator) -> None:
     """Fatal errors go to error_log.jsonl and run.json before the exception propagates."""
     rank = accelerator.process_index if accelerator is not None else 0
-    log.write(runlog.ERROR_LOG, {
-        "step": step, "type": type(exc).__name__, "message": str(exc), "rank": rank,
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-    })
+    log.write(
+        runlog.ERROR_LOG,
+        {
+            "step": step,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "rank": rank,
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        },
+    )
     status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     if (log.output_dir / runlog.RUN_JSON).exists():
         log.update_run(status=status, step=step, ended_at=round(time.time(), 3))
@@ -558,23 +658,40 @@ def announce(accelerator, cfg, loaded, data, total_steps, resume_from) -> None:
     if not accelerator.is_main_process:
         return
     r = loaded.report
-    print(f"model: {cfg.model.name_or_path} ({loaded.family.name}/{loaded.model_type}, {cfg.training.method}) "
-          f"params {r['total_params']:,}, trainable {r['trainable_params']:,}", flush=True)
+    print(
+        f"model: {cfg.model.name_or_path} ({loaded.family.name}/{loaded.model_type}, {cfg.training.method}) "
+        f"params {r['total_params']:,}, trainable {r['trainable_params']:,}",
+        flush=True,
+    )
     if r["unquantized_expert_bytes"] and cfg.training.method == "qlora":
-        print(f"WARNING: {r['unquantized_expert_bytes'] / 2**30:.2f} GiB of fused MoE expert weights are NOT "
-              "4-bit quantized (bitsandbytes replaces nn.Linear only; see bitsandbytes issue 1849). "
-              f"Unquantized total: {r['unquantized_bytes'] / 2**30:.2f} GiB.", flush=True)
+        print(
+            f"WARNING: {r['unquantized_expert_bytes'] / 2**30:.2f} GiB of fused MoE expert weights are NOT "
+            "4-bit quantized (bitsandbytes replaces nn.Linear only; see bitsandbytes issue 1849). "
+            f"Unquantized total: {r['unquantized_bytes'] / 2**30:.2f} GiB.",
+            flush=True,
+        )
     d = data.report
-    print(f"data: {d.train_records} train / {d.val_records} val records -> {d.train_sequences} / {d.val_sequences} "
-          f"rows of {cfg.data.max_length} tokens (packing {'on' if d.packing else 'off'}; skipped lines {d.skipped_lines}; "
-          f"truncation would lose {d.truncation_would_lose_tokens:,} tokens, lost {d.truncated_tokens:,})", flush=True)
-    where = f"resuming from {resume_from.path} at step {resume_from.step}" if resume_from else "starting fresh"
+    print(
+        f"data: {d.train_records} train / {d.val_records} val records -> {d.train_sequences} / {d.val_sequences} "
+        f"rows of {cfg.data.max_length} tokens (packing {'on' if d.packing else 'off'}; skipped lines {d.skipped_lines}; "
+        f"truncation would lose {d.truncation_would_lose_tokens:,} tokens, lost {d.truncated_tokens:,})",
+        flush=True,
+    )
+    where = (
+        f"resuming from {resume_from.path} at step {resume_from.step}" if resume_from else "starting fresh"
+    )
     print(f"training: {total_steps} steps on {accelerator.num_processes} process(es), {where}", flush=True)
 
 
-def print_summary(output_dir: Path, status: str, step: int, total: int, final_loss, best, cfg: Config) -> None:
+def print_summary(
+    output_dir: Path, status: str, step: int, total: int, final_loss, best, cfg: Config
+) -> None:
     loss = f"{final_loss:.4f}" if isinstance(final_loss, float) else "n/a"
     best_text = f"{best:.4f}" if isinstance(best, float) else "n/a"
-    print(f"\nrun {status} at step {step}/{total}; last loss {loss}; best {cfg.eval.metric_for_best} {best_text}")
+    print(
+        f"\nrun {status} at step {step}/{total}; last loss {loss}; best {cfg.eval.metric_for_best} {best_text}"
+    )
     print(f"run folder: {output_dir}")
-    print(f"dashboard:  ./launch_dashboard.sh --logdir {output_dir.parent}   (then open http://localhost:5000)")
+    print(
+        f"dashboard:  ./launch_dashboard.sh --logdir {output_dir.parent}   (then open http://localhost:5000)"
+    )

@@ -1,0 +1,28 @@
+# Sourced by launch_training.sh and run_tests.sh: create .venv and install the given extras once.
+#
+# torch comes first and pinned (TORCH_SPEC, default torch==2.13.0) only when the venv has none:
+# users with a CUDA build keep theirs, and machines with a local wheel take the fast path.
+# Usage: setup_venv "train" | "train,dashboard,test"
+setup_venv() {
+  local extras="$1"
+  local root; root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  local venv="${VENV_DIR:-$root/.venv}"
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "[setup] creating virtual environment in $venv" >&2
+    python3 -m venv "$venv" || { echo "[setup] error: python3 -m venv failed (install python3-venv)" >&2; return 1; }
+  fi
+  # shellcheck disable=SC1091
+  . "$venv/bin/activate"
+  local stamp="$venv/.installed-$(echo "$extras" | tr ',' '-')-$(cksum < "$root/pyproject.toml" | cut -d' ' -f1)"
+  if [ -f "$stamp" ]; then
+    return 0
+  fi
+  python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  if ! python -c "import torch" >/dev/null 2>&1 && [[ "$extras" == *train* ]]; then
+    echo "[setup] installing ${TORCH_SPEC:-torch==2.13.0}" >&2
+    python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" || return 1
+  fi
+  echo "[setup] installing the kit with extras [$extras]" >&2
+  python -m pip install -q -e "$root[$extras]" || return 1
+  touch "$stamp"
+}
