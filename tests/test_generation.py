@@ -166,9 +166,17 @@ def test_train_mode_restored_when_generation_fails(tokenizer):
     assert model.training
 
 
-def test_empty_prompt_is_refused(model, tokenizer):
+def test_eval_mode_model_stays_in_eval_mode(model, tokenizer):
+    model.eval()
+    generate(model, tokenizer, ["fine"], max_new_tokens=2)
+    assert not any(module.training for module in model.modules())
+
+
+def test_impossible_requests_are_refused(model, tokenizer):
     with pytest.raises(ValueError, match="empty prompt"):
         generate(model, tokenizer, ["fine", ""], max_new_tokens=2)
+    with pytest.raises(ValueError, match="leaves no room for a prompt"):
+        generate(model, tokenizer, ["fine"], max_new_tokens=8, min_new_tokens=8, max_total_length=8)
 
 
 def test_evaluate_task_generates_scores_and_samples(model, tokenizer, tmp_path):

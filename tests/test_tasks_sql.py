@@ -119,6 +119,10 @@ EQUIVALENT = [
         "select country from singer where age > 1 intersect select country from singer where age < 2",
     ),
     ("SELECT a FROM t WHERE x <> 1", "SELECT a FROM t WHERE x != 2"),
+    (
+        "SELECT date, max(time) FROM t",
+        "SELECT T1.date, MAX(T1.time) FROM t AS T1",
+    ),  # names that are also SQL words
 ]
 DIFFERENT = [
     ("SELECT name FROM singer", "SELECT country FROM singer"),

@@ -5,7 +5,7 @@ a run of padding and changes. We pad by hand (left, with the pad token or else e
 caller's tokenizer is never modified. Every prompt keeps room to answer: prompt plus new tokens
 never exceed the model's position limit (or ``max_total_length``); a prompt too long for that
 loses its beginning, so the question at its end survives. The model runs in eval mode without
-gradients and goes back to train mode afterwards.
+gradients; afterwards each module is back in the mode it was in.
 """
 
 from __future__ import annotations
@@ -102,6 +102,10 @@ def generate(
     limit = min(limits) if limits else None
     # Room every prompt keeps for its answer; at most half the limit, so prompts keep the other half.
     reserve = max(min(max_new_tokens, limit // 2), min_new_tokens, 1) if limit else 0
+    if limit and reserve >= limit:
+        raise ValueError(
+            f"min_new_tokens={min_new_tokens} leaves no room for a prompt within {limit} positions"
+        )
 
     encoded = [tokenizer(p)["input_ids"] for p in prompts]
     if any(not ids for ids in encoded):
@@ -115,7 +119,7 @@ def generate(
     # Longest first: similar lengths share a batch (less padding) and an out-of-memory shows at once.
     order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
     device = _model_device(model)
-    was_training = model.training
+    modes = [(module, module.training) for module in model.modules()]  # restored exactly afterwards
     start = time.perf_counter()
     model.eval()
     try:
@@ -146,8 +150,8 @@ def generate(
                     result.token_ids[i] = new[:end]
                     result.texts[i] = tokenizer.decode(new[:end], skip_special_tokens=True)
     finally:
-        if was_training:
-            model.train()
+        for module, training in modes:
+            module.train(training)
     result.seconds = time.perf_counter() - start
     if result.prompts_truncated or result.capped_batches:
         log.warning(

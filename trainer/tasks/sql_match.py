@@ -31,12 +31,11 @@ _OP_ALIASES = {"<>": "!=", "==": "="}
 VALUE = "value"  # every literal becomes this: Spider's default match ignores values
 _CLAUSES = ("select", "from", "where", "group", "having", "order", "limit")
 _SET_OPS = ("intersect", "union", "except")
-# Words that are SQL, not names of columns; everything else in an expression is a column.
-_SQL_WORDS = frozenset(
+# Words that are SQL, not column names; a word followed by '(' is a function and is kept too.
+_KEYWORDS = frozenset(
     """select from where group by having order limit offset asc desc and or not in like between is null
-    exists distinct all as join on inner left right outer cross natural case when then else end cast
-    count sum avg min max abs round length lower upper substr instr coalesce ifnull date strftime
-    julianday time datetime glob escape collate nocase integer real text numeric true false""".split()
+    exists distinct all as join on inner left right outer cross natural case when then else end
+    glob escape collate nocase true false""".split()
 )
 
 
@@ -259,8 +258,13 @@ def _expr(tokens: list[str], scope: _Scope) -> str:
             out.append(repr(_query(tokens[i + 1 : j], scope.schema, scope)))
             i = j + 1
             continue
-        is_name = tok[:1].isalpha() or tok[:1] == "_"
-        out.append(scope.column(tok) if is_name and tok not in _SQL_WORDS and tok != VALUE else tok)
+        is_column = (
+            (tok[:1].isalpha() or tok[:1] == "_")
+            and tok not in _KEYWORDS
+            and tok != VALUE
+            and tokens[i + 1 : i + 2] != ["("]  # count(...), max(...): a function
+        )
+        out.append(scope.column(tok) if is_column else tok)
         i += 1
     return " ".join(out)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.tasks.base import MetricForBest, Task, TaskDataError
-from trainer.tasks.sql_exec import SqliteRunner, results_match
+from trainer.tasks.sql_exec import ExecResult, SqliteRunner, results_match
 from trainer.tasks.sql_match import SqlParseError, canonical, exact_set_match, has_top_level_order_by
 
 SPLIT_FILES = {
@@ -157,26 +157,21 @@ class SpiderTask(Task):
         """``exact_match`` and ``execution_accuracy``, plus counts of unreadable, failing and timed-out predictions."""
         self._check_aligned(predictions, examples)
         counts = dict.fromkeys(
-            ("exact", "execution", "unparsed", "exec_errors", "timeouts", "gold_errors"), 0
+            ("exact_match", "execution_accuracy", "unparsed", "exec_errors", "timeouts"), 0
         )
-        gold_cache: dict[tuple[str, str], object] = {}
+        counts["gold_errors"] = 0
+        gold_cache: dict[tuple[str, str], ExecResult] = {}
         with SqliteRunner(self.db_root, timeout_s=self.timeout_s) as runner:
             for generated, example in zip(predictions, examples):
                 self._score_one(extract_sql(generated), example, runner, gold_cache, counts)
         n = len(examples)
-        return {
-            "exact_match": counts["exact"] / n if n else 0.0,
-            "execution_accuracy": counts["execution"] / n if n else 0.0,
-            "unparsed": counts["unparsed"],
-            "exec_errors": counts["exec_errors"],
-            "timeouts": counts["timeouts"],
-            "gold_errors": counts["gold_errors"],
-            "n": n,
-        }
+        rates = {k: counts[k] / n if n else 0.0 for k in ("exact_match", "execution_accuracy")}
+        return {**counts, **rates, "n": n}
 
     def _score_one(
         self, sql: str, example: dict, runner: SqliteRunner, gold_cache: dict, counts: dict
     ) -> None:
+        """Add one prediction's outcome to ``counts`` (rates are divided out by ``score``)."""
         db_id, gold = example["db_id"], example["query"]
         if db_id not in self.schemas():
             raise TaskDataError(f"{self.name}: database {db_id!r} is not in tables.json")
@@ -185,7 +180,7 @@ class SpiderTask(Task):
             canonical(sql, columns)
         except SqlParseError:
             counts["unparsed"] += 1
-        counts["exact"] += exact_set_match(sql, gold, columns)
+        counts["exact_match"] += exact_set_match(sql, gold, columns)
         key = (db_id, gold)
         if key not in gold_cache:
             try:
@@ -201,4 +196,6 @@ class SpiderTask(Task):
             timed_out = predicted is not None and predicted.error == "timeout"
             counts["timeouts" if timed_out else "exec_errors"] += 1
             return
-        counts["execution"] += results_match(predicted.rows, gold_result.rows, has_top_level_order_by(gold))
+        counts["execution_accuracy"] += results_match(
+            predicted.rows, gold_result.rows, has_top_level_order_by(gold)
+        )
