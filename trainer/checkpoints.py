@@ -116,7 +116,12 @@ def save_checkpoint(accelerator, model, tokenizer, output_dir: Path, name: str, 
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / STATE_DIR))
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(tmp, safe_serialization=True)
+        unwrapped = accelerator.unwrap_model(model)
+        if hasattr(unwrapped, "peft_config"):
+            # The base embeddings/head are unchanged (no vocabulary resize): the adapter alone is enough.
+            unwrapped.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
+        else:
+            unwrapped.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if os.environ.get("KIT_TEST_CRASH_DURING_SAVE") == name:
             os._exit(137)  # fault injection for the tests: die like SIGKILL half-way through a save

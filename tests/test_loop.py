@@ -1,0 +1,133 @@
+"""The loop's arithmetic: token-normalised accumulation, schedulers, non-finite skips, fatal errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.helpers import REPO, run_trainer
+from trainer import runlog
+from trainer.config import load_config
+from trainer.runlog import iter_records
+
+
+def training_records(run):
+    return list(iter_records(run / "logs" / runlog.TRAINING_LOG))
+
+
+def test_accumulation_equals_one_big_batch_with_uneven_lengths(write_config, tmp_path):
+    """Instruction records of different lengths, no packing: 4 x accumulation 4 must match 16 x 1."""
+    common = {
+        "paths": {"train_file": str(REPO / "data" / "tiny_instructions.jsonl")},
+        "data": {"packing": False, "max_length": 64},
+        "training": {"max_steps": 3, "save_steps": 100},
+        "lora": {"dropout": 0.0},
+        "eval": {"interval": 100, "at_end": False},
+    }
+    small = write_config(
+        {
+            **common,
+            "training": {**common["training"], "micro_batch_size": 4, "gradient_accumulation_steps": 4},
+        },
+        "a.yaml",
+        "a",
+    )
+    big = write_config(
+        {
+            **common,
+            "training": {**common["training"], "micro_batch_size": 16, "gradient_accumulation_steps": 1},
+        },
+        "b.yaml",
+        "b",
+    )
+    for config in (small, big):
+        result = run_trainer("train", "--config", str(config))
+        assert result.returncode == 0, result.stderr[-2000:]
+    a, b = training_records(tmp_path / "a"), training_records(tmp_path / "b")
+    for ra, rb in zip(a, b):
+        assert ra["tokens"] == rb["tokens"]
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "name, warmup, expect",
+    [
+        ("constant", {"warmup_steps": 2}, [0.0, 0.5, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", {"warmup_steps": 2}, [0.0, 0.5, 1.0, 0.75, 0.5, 0.25]),
+        ("cosine", {"warmup_ratio": 0.2}, [0.0, 1.0, 0.9330, 0.75, 0.5, 0.25]),
+        ("polynomial", {"warmup_steps": 2, "polynomial_power": 2.0}, [0.0, 0.5, 1.0, 0.5625, 0.25, 0.0625]),
+    ],
+)
+def test_schedulers_with_warmup(name, warmup, expect):
+    from trainer.loop import make_scheduler
+
+    overrides = [f"optimization.lr_scheduler={name}", "optimization.learning_rate=1.0"]
+    overrides += [f"optimization.{k}={v}" for k, v in warmup.items()]
+    cfg = load_config(REPO / "training_config.yaml", overrides)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    total = 6 if name != "cosine" else 5
+    scheduler = make_scheduler(optimizer, cfg, total)
+    seen = []
+    for _ in range(len(expect)):
+        seen.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    if name == "cosine":  # 5 steps, 1 of warmup: half-cosine over the other 4
+        expect = [0.0] + [0.5 * (1 + math.cos(math.pi * i / 4)) for i in range(0, 5)]
+    assert seen == pytest.approx(expect[: len(seen)], abs=1e-4)
+
+
+def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path, monkeypatch):
+    """A NaN loss at step 3 must not update the weights; the record carries null plus a flag."""
+    import trainer.loop as loop
+
+    cfg = load_config(write_config({"training": {"max_steps": 5, "save_steps": 100}}))
+    real_forward = loop.forward_loss
+    calls = {"n": 0}
+
+    def poisoned(model, batch, accelerator):
+        calls["n"] += 1
+        ce_sum, aux = real_forward(model, batch, accelerator)
+        if calls["n"] in (5, 6):  # both micro-batches of step 3 (accumulation 2)
+            ce_sum = ce_sum * float("nan")
+        return ce_sum, aux
+
+    monkeypatch.setattr(loop, "forward_loss", poisoned)
+    assert loop.train(cfg) == 0
+    run = tmp_path / "run"
+    records = training_records(run)
+    step3 = records[2]
+    assert step3["loss"] is None and "loss" in step3["nonfinite"] and step3["skipped"] is True
+    assert all(r["loss"] is not None for r in records if r["step"] != 3)
+    skipped = [e for e in iter_records(run / "logs" / runlog.EVENTS_LOG) if e["event"] == "step_skipped"]
+    assert [(e["step"], e["reason"]) for e in skipped] == [(3, "nonfinite_loss")]
+    assert "NaN" not in (run / "logs" / runlog.TRAINING_LOG).read_text()
+
+
+def test_fatal_error_is_logged_then_raised(write_config, tmp_path, monkeypatch):
+    import trainer.loop as loop
+
+    cfg = load_config(write_config({"training": {"max_steps": 5, "save_steps": 100}}))
+    calls = {"n": 0}
+    real_forward = loop.forward_loss
+
+    def exploding(model, batch, accelerator):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("boom at the third step")
+        return real_forward(model, batch, accelerator)
+
+    monkeypatch.setattr(loop, "forward_loss", exploding)
+    with pytest.raises(RuntimeError, match="boom"):
+        loop.train(cfg)
+    run = tmp_path / "run"
+    errors = list(iter_records(run / "logs" / runlog.ERROR_LOG))
+    assert len(errors) == 1
+    assert errors[0]["type"] == "RuntimeError" and errors[0]["message"] == "boom at the third step"
+    assert errors[0]["step"] == 2 and "exploding" in errors[0]["traceback"]
+    info = json.loads((run / runlog.RUN_JSON).read_text())
+    assert info["status"] == "failed" and info["ended_at"]
