@@ -367,7 +367,7 @@ def errors(run: RunData) -> dict:
 # ---------------------------------------------------------------- checkpoints
 
 
-def _folder_size(path: Path, root: Path) -> int:
+def _folder_size(path: Path) -> int:
     total = 0
     for folder, _dirs, files in os.walk(path):
         for name in files:
@@ -436,7 +436,7 @@ def _row_from_folder(run: RunData, name: str, folder: dict) -> dict:
     cached = run.folder_cache.get(cache_key)
     if cached is None:
         state = read_json_under(folder["path"] / runlog.TRAINER_STATE, run.root)
-        size = _folder_size(folder["path"], run.root) if inside(folder["path"], run.root) else None
+        size = _folder_size(folder["path"]) if inside(folder["path"], run.root) else None
         cached = run.folder_cache[cache_key] = (state, size)
     state, size = cached
     final = name.startswith(runlog.FINAL_PREFIX)

@@ -71,7 +71,7 @@ def to_png(fig: Figure) -> bytes:
     return buffer.getvalue()
 
 
-def no_data(fig: Figure, ax, message: str) -> None:
+def no_data(ax, message: str) -> None:
     ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="#868e96", fontsize=10)
     ax.set_xticks([])
     ax.set_yticks([])
@@ -84,27 +84,31 @@ def set_log_y(ax, values: np.ndarray, log_y: bool) -> None:
 
 
 def draw_smoothed(ax, x: np.ndarray, y: np.ndarray, options: PlotOptions, color: str, label: str) -> None:
-    """The raw series faint, the smoothed one on top (both downsampled after smoothing)."""
+    """The raw series faint, the smoothed one on top (both downsampled after smoothing).
+
+    Artists carry ``gid`` ``raw:<label>`` and ``smoothed:<label>`` so reports and tests can find them.
+    """
     smoothed = smooth(y, options.smoothing, options.weight, options.window)
     keep = downsample_indices(y, SCREEN_POINTS)
-    raw_alpha = 0.25 if smoothed is not None else 0.9
+    faint = smoothed is not None
+    raw_label = None if faint else label
     ax.plot(
         x[keep],
         y[keep],
         color=color,
-        alpha=raw_alpha,
-        linewidth=1.0,
-        label=None if smoothed is not None else label,
+        alpha=0.25 if faint else 0.9,
+        lw=1.0,
+        label=raw_label,
+        gid=f"raw:{label}",
     )
-    if smoothed is not None:
-        ax.plot(x[keep], smoothed[keep], color=color, linewidth=1.6, label=label)
+    if faint:
+        ax.plot(x[keep], smoothed[keep], color=color, lw=1.6, label=label, gid=f"smoothed:{label}")
 
 
 def draw_markers(ax, steps: list[int], color: str, style: str, label: str) -> None:
+    """Vertical lines at ``steps`` (one legend entry), each with ``gid`` = ``label``."""
     for i, step in enumerate(steps):
-        ax.axvline(
-            step, color=color, linestyle=style, linewidth=0.9, alpha=0.7, label=label if i == 0 else None
-        )
+        ax.axvline(step, color=color, ls=style, lw=0.9, alpha=0.7, label=label if i == 0 else None, gid=label)
 
 
 # ---------------------------------------------------------------- data from a run
@@ -147,13 +151,13 @@ def loss_markers(run: RunData) -> dict:
 # ---------------------------------------------------------------- the plots
 
 
-def plot_loss(run: RunData, options: PlotOptions, compare: RunData | None = None) -> bytes:
+def plot_loss(run: RunData, options: PlotOptions, compare: RunData | None = None) -> Figure:
     """Training loss: raw faint, smoothed on top, eval points, checkpoint and resume markers."""
     fig, ax = new_axes(f"loss - {run.name}", "step", "loss")
     steps, loss = train_column(run, "loss", options.since_step)
     if not len(steps):
-        no_data(fig, ax, "no training records yet")
-        return to_png(fig)
+        no_data(ax, "no training records yet")
+        return fig
     draw_smoothed(
         ax, steps, loss, options, COLORS[0], f"train loss ({run.name})" if compare else "train loss"
     )
@@ -184,24 +188,24 @@ def plot_loss(run: RunData, options: PlotOptions, compare: RunData | None = None
             values = np.concatenate((loss, other_loss))
     set_log_y(ax, values, options.log_y)
     ax.legend(fontsize=7, loc="upper right")
-    return to_png(fig)
+    return fig
 
 
 def plot_train_field(
     run: RunData, options: PlotOptions, name: str, title: str, ylabel: str, smoothed: bool
-) -> bytes:
+) -> Figure:
     fig, ax = new_axes(f"{title} - {run.name}", "step", ylabel)
     steps, values = train_column(run, name, options.since_step)
     if not len(steps) or not np.any(np.isfinite(values)):
-        no_data(fig, ax, f"no {name} logged yet")
-        return to_png(fig)
+        no_data(ax, f"no {name} logged yet")
+        return fig
     plain = options if smoothed else PlotOptions(smoothing="off")
     draw_smoothed(ax, steps, values, plain, COLORS[0], name)
     set_log_y(ax, values, options.log_y)
-    return to_png(fig)
+    return fig
 
 
-def plot_gpu(run: RunData, options: PlotOptions, fields: tuple[str, ...], title: str, ylabel: str) -> bytes:
+def plot_gpu(run: RunData, options: PlotOptions, fields: tuple[str, ...], title: str, ylabel: str) -> Figure:
     """One line per device (and field): time on x in minutes since the first sample."""
     fig, ax = new_axes(f"{title} - {run.name}", "minutes", ylabel)
     with run.lock:
@@ -218,8 +222,8 @@ def plot_gpu(run: RunData, options: PlotOptions, fields: tuple[str, ...], title:
     ]
     lines = [(key, f, t, v) for key, f, t, v in lines if np.any(np.isfinite(v))]
     if not lines:
-        no_data(fig, ax, "no telemetry logged yet")
-        return to_png(fig)
+        no_data(ax, "no telemetry logged yet")
+        return fig
     start = min(float(np.nanmin(t)) for _, _, t, _ in lines)
     for i, (key, name, ts, values) in enumerate(lines):
         keep = downsample_indices(values, SCREEN_POINTS)
@@ -229,18 +233,18 @@ def plot_gpu(run: RunData, options: PlotOptions, fields: tuple[str, ...], title:
         )
     set_log_y(ax, np.concatenate([v for *_, v in lines]), options.log_y)
     ax.legend(fontsize=7, loc="upper left")
-    return to_png(fig)
+    return fig
 
 
-def plot_experts(run: RunData, options: PlotOptions) -> bytes:
+def plot_experts(run: RunData, options: PlotOptions) -> Figure:
     """Heatmap of layer x expert load relative to uniform (1.0 = its fair share)."""
     usage = experts(run, options.expert_window, options.from_step, options.to_step)
     layers = usage["layers"]
     height = max(HEIGHT, min(12.0, 1.2 + 0.22 * len(layers)))
     fig, ax = new_axes(f"expert usage - {run.name}", "expert", "layer", height=height)
     if not layers:
-        no_data(fig, ax, "no expert usage logged (dense model, or before the first window)")
-        return to_png(fig)
+        no_data(ax, "no expert usage logged (dense model, or before the first window)")
+        return fig
     width = max(len(layer["fractions"]) for layer in layers)
     matrix = np.full((len(layers), width), np.nan)
     for row, layer in enumerate(layers):
@@ -255,11 +259,16 @@ def plot_experts(run: RunData, options: PlotOptions) -> bytes:
     ax.set_title(
         f"expert usage - {run.name}, steps {usage['from_step']}-{usage['to_step']}", fontsize=10, loc="left"
     )
-    return to_png(fig)
+    return fig
 
 
 def render(name: str, run: RunData, options: PlotOptions, compare: RunData | None = None) -> bytes:
     """One named plot (see ``PLOT_NAMES``) of a refreshed run as PNG bytes."""
+    return to_png(figure(name, run, options, compare))
+
+
+def figure(name: str, run: RunData, options: PlotOptions, compare: RunData | None = None) -> Figure:
+    """One named plot of a refreshed run as a matplotlib Figure (to inspect, restyle or save)."""
     if name == "loss":
         return plot_loss(run, options, compare)
     if name == "lr":

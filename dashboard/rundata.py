@@ -239,6 +239,8 @@ class RunData:
         self.experts = ExpertLog()
         self.run_json: dict = {}
         self._run_json_stamp: tuple | None = None
+        # (folder name, mtime) -> (trainer_state.json, size): checkpoints are immutable once renamed.
+        self.folder_cache: dict[tuple, tuple] = {}
         logs = path / runlog.LOGS_DIR
         self.stores: dict[str, Store] = {
             runlog.TRAINING_LOG: self.train,
