@@ -9,6 +9,7 @@ Rank 0 writes the run folder; every rank trains.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -212,25 +213,25 @@ class StopFlag:
             signal.signal(signum, handler)
 
 
+def model_source(cfg: Config, resume_from) -> Config:
+    """A full fine-tune resumes by loading the checkpoint folder itself: save_pretrained may store
+    weights in another layout (transformers 5 un-fuses MoE experts on save) that only from_pretrained maps back."""
+    if resume_from is None or cfg.training.method != "full":
+        return cfg
+    model = dataclasses.replace(
+        cfg.model, name_or_path=str(resume_from.path), random_init=False, revision=None
+    )
+    return dataclasses.replace(cfg, model=model)
+
+
 def load_checkpoint_weights(model, checkpoint: Path, accelerator) -> None:
-    """Model weights come from the checkpoint's save_pretrained files, not accelerate's state."""
+    """Adapter weights come from the checkpoint's save_pretrained files, not accelerate's state."""
+    from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    unwrapped = accelerator.unwrap_model(model)
-    if (checkpoint / "adapter_model.safetensors").is_file():
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(unwrapped, load_file(str(checkpoint / "adapter_model.safetensors")))
-        return
-    state = {}
-    for file in sorted(checkpoint.glob("model*.safetensors")):
-        state.update(load_file(str(file)))
-    missing, unexpected = unwrapped.load_state_dict(state, strict=False)
-    tied = set(getattr(unwrapped, "_tied_weights_keys", None) or [])
-    if unexpected or [k for k in missing if k not in tied and "lm_head" not in k]:
-        raise ckpt.CheckpointError(
-            f"{checkpoint}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
-        )
+    adapter = checkpoint / "adapter_model.safetensors"
+    if adapter.is_file():
+        set_peft_model_state_dict(accelerator.unwrap_model(model), load_file(str(adapter)))
 
 
 def skip_model_state(accelerator) -> None:
@@ -265,7 +266,7 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
         from accelerate.utils import set_seed
 
         set_seed(cfg.training.seed)
-        loaded = load_for_training(cfg, accelerator.device)
+        loaded = load_for_training(model_source(cfg, resume_from), accelerator.device)
         model, tokenizer = loaded.model, loaded.tokenizer
         data = prepare_data(cfg.paths, cfg.data, tokenizer, loaded.family.packing)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -19,7 +19,12 @@ from trainer.families import Family, ModelLoadError, family_for
 
 log = logging.getLogger(__name__)
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -54,7 +59,9 @@ def check_local_folder(path: Path, random_init: bool) -> None:
         shards = set(json.loads((path / index_name).read_text()).get("weight_map", {}).values())
         missing = sorted(s for s in shards if not (path / s).is_file())
         if missing:
-            raise ModelLoadError(f"model.name_or_path: weight shard missing: {path / missing[0]} (named in {index_name})")
+            raise ModelLoadError(
+                f"model.name_or_path: weight shard missing: {path / missing[0]} (named in {index_name})"
+            )
 
 
 def load_hf_config(cfg: Config):
@@ -66,7 +73,10 @@ def load_hf_config(cfg: Config):
     _import_family_registrations()
     try:
         return AutoConfig.from_pretrained(
-            name, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, cache_dir=cfg.paths.cache_dir
+            name,
+            revision=cfg.model.revision,
+            trust_remote_code=cfg.model.trust_remote_code,
+            cache_dir=cfg.paths.cache_dir,
         )
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -87,7 +97,10 @@ def load_tokenizer(cfg: Config):
     source = cfg.model.tokenizer or cfg.model.name_or_path
     try:
         tokenizer = AutoTokenizer.from_pretrained(
-            source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, cache_dir=cfg.paths.cache_dir
+            source,
+            revision=cfg.model.revision,
+            trust_remote_code=cfg.model.trust_remote_code,
+            cache_dir=cfg.paths.cache_dir,
         )
     except (OSError, ValueError, TypeError) as exc:
         raise ModelLoadError(
@@ -144,7 +157,9 @@ def load_base_model(cfg: Config, family: Family, hf_config, device: torch.device
         return family.load(cfg.model, hf_config, **kwargs)
     except OSError as exc:
         first_line = str(exc).strip().splitlines()[0]
-        raise ModelLoadError(f"model.name_or_path: cannot load weights of '{cfg.model.name_or_path}': {first_line}") from exc
+        raise ModelLoadError(
+            f"model.name_or_path: cannot load weights of '{cfg.model.name_or_path}': {first_line}"
+        ) from exc
 
 
 def disable_cpu_bf16_repack(model: torch.nn.Module) -> int:
@@ -179,7 +194,9 @@ def apply_peft(model, cfg: Config, family: Family):
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
     if cfg.lora.variant not in family.lora_variants:
-        raise ModelLoadError(f"lora.variant: '{cfg.lora.variant}' is not supported for the {family.name} family")
+        raise ModelLoadError(
+            f"lora.variant: '{cfg.lora.variant}' is not supported for the {family.name} family"
+        )
     init = cfg.lora.init
     peft_config = LoraConfig(
         r=cfg.lora.r,
