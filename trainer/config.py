@@ -115,6 +115,16 @@ class EvalConfig:
     at_end: bool = True
     metric_for_best: str = "eval_loss"
     greater_is_better: bool = False
+    # Generation-based evaluation on a task (trainer/tasks): glue names, or spider.
+    task: str | None = None
+    task_data_dir: str | None = None
+    task_split: str = "validation"
+    task_max_examples: int = 0
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    num_beams: int = 1
+    generation_batch_size: int = 8
+    max_total_length: int | None = None
 
 
 @dataclass
@@ -142,6 +152,15 @@ class PerformanceConfig:
 
 
 @dataclass
+class NotifyConfig:
+    webhook_url: str | None = None
+    email_config: str | None = None
+    events: list[str] = field(default_factory=lambda: ["start", "finish", "failure", "interrupt", "stall"])
+    stall_minutes: float = 30.0
+    timeout_seconds: float = 10.0
+
+
+@dataclass
 class Config:
     paths: PathsConfig = field(default_factory=PathsConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -154,6 +173,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     performance: PerformanceConfig = field(default_factory=PerformanceConfig)
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -336,6 +356,15 @@ def validate(config: Config) -> None:
     _require(d.max_length >= 8, f"data.max_length: expected >= 8, got {d.max_length}")
     _require(0 <= d.val_fraction < 1, f"data.val_fraction: expected in [0, 1), got {d.val_fraction}")
     _require(config.memory.max_oom_retries >= 0, "memory.max_oom_retries: expected >= 0")
+    _require(e.num_beams >= 1, f"eval.num_beams: expected >= 1, got {e.num_beams}")
+    _require(e.max_new_tokens is None or e.max_new_tokens > 0, "eval.max_new_tokens: expected > 0")
+    _require(e.generation_batch_size > 0, "eval.generation_batch_size: expected > 0")
+    _require(config.notify.stall_minutes > 0, "notify.stall_minutes: expected > 0")
+    if config.notify.email_config is not None:
+        _require(
+            Path(config.notify.email_config).expanduser().is_file(),
+            f"notify.email_config: file not found: {config.notify.email_config}",
+        )
     _require(
         lo.init == "default"
         or lo.init in ("gaussian", "pissa", "olora", "loftq")
