@@ -75,10 +75,11 @@ def test_nf4_layers_and_gradients_after_evaluation_match(write_config):
     assert any(float(g.abs().sum()) > 0 for n, g in reference.items() if "lora_A" in n)
 
 
-def test_qlora_training_run_with_moe_reports_unquantized_experts(write_config, tmp_path):
+def test_qlora_moe_without_expert_quantization_says_so(write_config, tmp_path):
     config = write_config(
         {
-            "training": {"method": "qlora", "max_steps": 4},
+            "training": {"method": "qlora", "max_steps": 2},
+            "quantization": {"quantize_experts": False},
             "lora": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         }
     )
@@ -93,8 +94,60 @@ def test_qlora_training_run_with_moe_reports_unquantized_experts(write_config, t
     assert (
         report["unquantized_expert_bytes"] == 2 * (8 * 256 * 128 + 8 * 128 * 128) * 4
     )  # fp32 after k-bit prep
-    losses = [
-        json.loads(line)["loss"]
-        for line in (tmp_path / "run" / "logs" / "training_log.jsonl").read_text().splitlines()
+
+
+def test_qlora_moe_quantizes_fused_experts_and_trains(write_config, tmp_path):
+    config = write_config(
+        {
+            "training": {"method": "qlora", "max_steps": 4},
+            "lora": {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        }
+    )
+    result = run_trainer("train", "--config", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "NOT 4-bit quantized" not in result.stdout
+    events = [
+        json.loads(line) for line in (tmp_path / "run" / "logs" / "events.jsonl").read_text().splitlines()
     ]
+    report = next(e for e in events if e["event"] == "model_report")
+    assert report["unquantized_expert_bytes"] == 0
+    expert_params = 2 * (8 * 256 * 128 + 8 * 128 * 128)
+    assert report["quantized_params"] >= expert_params
+    records = (tmp_path / "run" / "logs" / "training_log.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in records]
     assert len(losses) == 4 and all(isinstance(x, float) for x in losses)
+
+
+def test_quantized_experts_compute_with_dequantized_weights():
+    """The experts' own forward, run on 4-bit storage, equals running it on the dequantized weights."""
+    import bitsandbytes.functional as bnbf
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.moe_quant import QuantizedExpertWeights, quantize_fused_experts
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "configs" / "tiny-moe"))
+    experts = model.model.layers[0].mlp.experts
+    original = experts.gate_up_proj.detach().clone()
+    hidden = torch.randn(10, 128)
+    top_k_index = torch.randint(0, 8, (10, 2))
+    weights = torch.rand(10, 2)
+    assert quantize_fused_experts(model, "nf4", True) == 4
+    assert isinstance(experts.gate_up_proj, QuantizedExpertWeights)
+    assert experts.gate_up_proj.stored_bytes() < original.numel() * 4 / 6
+    quantized_out = experts(hidden, top_k_index, weights)
+    dequantized = torch.stack([experts.gate_up_proj[i] for i in range(8)])
+    down = torch.stack([experts.down_proj[i] for i in range(8)])
+    reference = torch.nn.Module()
+    reference.__class__ = type(experts)
+    reference.__dict__.update({k: v for k, v in experts.__dict__.items() if k not in ("_modules",)})
+    reference._modules = {"act_fn": experts.act_fn}
+    reference._parameters = {
+        "gate_up_proj": torch.nn.Parameter(dequantized),
+        "down_proj": torch.nn.Parameter(down),
+    }
+    assert torch.allclose(quantized_out, reference(hidden, top_k_index, weights), atol=1e-6)
+    q, state = bnbf.quantize_4bit(
+        original[3].contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4"
+    )
+    assert torch.equal(experts.gate_up_proj[3], bnbf.dequantize_4bit(q, state))

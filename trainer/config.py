@@ -104,6 +104,8 @@ class QuantizationConfig:
     double_quant: bool = True
     compute_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     skip_modules: list[str] = field(default_factory=lambda: ["lm_head"])
+    # Fused 3-D MoE expert weights escape bitsandbytes' Linear replacement; quantize them too.
+    quantize_experts: bool = True
 
 
 @dataclass

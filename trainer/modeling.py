@@ -16,6 +16,7 @@ import torch
 
 from trainer.config import Config
 from trainer.families import Family, ModelLoadError, family_for
+from trainer.moe_quant import QuantizedExpertWeights, quantize_fused_experts
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +227,10 @@ def size_report(model: torch.nn.Module, method: str) -> dict:
     except ImportError:
         params4 = ()
     total = trainable = quantized = unquantized_bytes = expert_bytes = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedExpertWeights):
+            total += module.numel()
+            quantized += module.numel()
     for name, param in model.named_parameters():
         is_4bit = bool(params4) and isinstance(param, params4)
         count = param.numel() * 2 if is_4bit else param.numel()  # two 4-bit values per stored byte
@@ -257,6 +262,13 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
     if cfg.training.method == "qlora" and not family.quantizable:
         raise ModelLoadError(f"training.method: qlora is not available for the {family.name} family")
     model = load_base_model(cfg, family, hf_config, device)
+    if cfg.training.method == "qlora" and cfg.quantization.quantize_experts:
+        if cfg.lora.target_parameters:
+            raise ModelLoadError(
+                "lora.target_parameters: the fused expert weights are 4-bit (quantization.quantize_experts: true); "
+                "set it to false to put LoRA on experts"
+            )
+        quantize_fused_experts(model, cfg.quantization.quant_type, cfg.quantization.double_quant)
     disable_cpu_bf16_repack(model)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False

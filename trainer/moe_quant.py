@@ -1,0 +1,95 @@
+"""4-bit storage for fused MoE expert weights, which bitsandbytes' Linear replacement misses.
+
+transformers 5 stores each MoE layer's experts as 3-D ``nn.Parameter``s (experts x out x in),
+so loading with ``load_in_4bit`` quantizes attention but leaves the experts (most of a MoE
+model's bytes) in 16-bit (bitsandbytes issue 1849). Here each expert's matrix is quantized
+separately with bitsandbytes (NF4/FP4, optional double quant) and dequantized one expert at a
+time when the experts' forward indexes it (``self.gate_up_proj[expert_idx]``), so only one
+expert is ever held in 16-bit. The weights are frozen: LoRA goes on attention (or shared
+experts), as in QLoRA.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+class QuantizedExpertWeights(nn.Module):
+    """Stands in for a 3-D expert parameter; ``[i]`` returns expert i dequantized."""
+
+    def __init__(self, weight: torch.Tensor, quant_type: str, double_quant: bool):
+        super().__init__()
+        import bitsandbytes.functional as bnbf
+
+        self.shape = tuple(weight.shape)
+        self.compute_dtype = weight.dtype  # the dtype the experts' forward multiplies in
+        self.quant_states = []
+        for index in range(weight.shape[0]):
+            packed, state = bnbf.quantize_4bit(
+                weight[index].detach().contiguous(),
+                blocksize=64,
+                compress_statistics=double_quant,
+                quant_type=quant_type,
+            )
+            self.register_buffer(f"packed_{index}", packed)
+            self.quant_states.append(state)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        import bitsandbytes.functional as bnbf
+
+        index = int(index)
+        return bnbf.dequantize_4bit(getattr(self, f"packed_{index}"), self.quant_states[index]).to(
+            self.compute_dtype
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.compute_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed_0.device
+
+    def numel(self) -> int:
+        return int(torch.tensor(self.shape).prod())
+
+    def stored_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+def fused_expert_parameters(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """(module, parameter name, qualified name) for every 3-D parameter of an experts module."""
+    found = []
+    for module_name, module in model.named_modules():
+        if "expert" not in module_name.rsplit(".", 1)[-1]:
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if param.dim() == 3:
+                found.append((module, name, f"{module_name}.{name}"))
+    return found
+
+
+def quantize_fused_experts(model: nn.Module, quant_type: str, double_quant: bool) -> int:
+    """Replace fused expert parameters by 4-bit storage in place; returns how many were replaced."""
+    replaced = 0
+    for module, name, _ in fused_expert_parameters(model):
+        weight = getattr(module, name)
+        quantized = QuantizedExpertWeights(weight, quant_type, double_quant)
+        delattr(module, name)
+        module.add_module(name, quantized)
+        if hasattr(module, "config") and getattr(module.config, "_experts_implementation", None) not in (
+            None,
+            "eager",
+        ):
+            # Grouped-GEMM implementations read the whole 3-D tensor; the eager loop indexes one expert.
+            module.config = copy.copy(module.config)
+            module.config._experts_implementation = "eager"
+        del weight
+        replaced += 1
+    return replaced
