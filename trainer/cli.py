@@ -16,6 +16,13 @@ EXIT_BAD_INPUT = 2
 VERBS = [
     "trainer.commands.train",
     "trainer.commands.check_config",
+    "trainer.commands.info",
+    "trainer.commands.preprocess",
+    "trainer.commands.report",
+    "trainer.commands.download",
+    "trainer.commands.export",
+    "trainer.commands.list_runs",
+    "trainer.commands.prepare_corpus",
 ]
 
 
@@ -25,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="verb", required=True)
     for module in VERBS:
-        importlib.import_module(module).register(subparsers)
+        try:
+            importlib.import_module(module).register(subparsers)
+        except ImportError as exc:  # one broken optional verb must not take `train` down with it
+            print(f"warning: verb module {module} unavailable: {exc}", file=sys.stderr)
     return parser
 
 

@@ -121,18 +121,24 @@ def resolve_dtype(cfg: Config) -> torch.dtype:
     return torch.float32
 
 
-def quantization_config(cfg: Config):
+def quantization_config(cfg: Config, family_skip: tuple[str, ...] = ()):
     from transformers import BitsAndBytesConfig
 
     q = cfg.quantization
+    skip = list(q.skip_modules) + [name for name in family_skip if name not in q.skip_modules]
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=q.quant_type,
         bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
         bnb_4bit_quant_storage=torch.uint8,
-        llm_int8_skip_modules=list(q.skip_modules),
+        llm_int8_skip_modules=skip,
     )
+
+
+def cuda_index(device: torch.device) -> int:
+    """accelerate's single-GPU device is plain ``cuda`` (no index); bitsandbytes' device_map needs one."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def load_base_model(cfg: Config, family: Family, hf_config, device: torch.device):
@@ -146,8 +152,8 @@ def load_base_model(cfg: Config, family: Family, hf_config, device: torch.device
     if cfg.model.random_init and not qlora:
         return family.load(cfg.model, hf_config, from_config=True, dtype=dtype)
     if qlora:
-        kwargs["quantization_config"] = quantization_config(cfg)
-        kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+        kwargs["quantization_config"] = quantization_config(cfg, family.quantization_skip(hf_config, cfg))
+        kwargs["device_map"] = {"": cuda_index(device) if device.type == "cuda" else "cpu"}
     if cfg.model.random_init:
         # bitsandbytes quantizes while loading weights, so random weights take a detour through disk.
         with tempfile.TemporaryDirectory(prefix="init-model-") as tmp:
@@ -183,6 +189,26 @@ def lora_targets(cfg: Config, family: Family):
     if targets is None:
         return family.default_lora_targets
     return targets
+
+
+NEEDS_FULL_PRECISION_INIT = ("pissa", "olora")
+
+
+def check_lora_config(cfg: Config, family: Family, hf_config) -> None:
+    """LoRA settings PEFT or the family would fail on mid-load (or, worse, train silently wrong),
+    refused with one line before any weights load."""
+    lo = cfg.lora
+    if lo.variant not in family.lora_variants:
+        raise ModelLoadError(
+            f"lora.variant: '{lo.variant}' is not supported for the {family.name} family "
+            f"(have: {', '.join(family.lora_variants)})"
+        )
+    if cfg.training.method == "qlora" and lo.init.startswith(NEEDS_FULL_PRECISION_INIT):
+        raise ModelLoadError(
+            f"lora.init: {lo.init} factorises the base weights, which training.method qlora keeps in 4-bit; "
+            "use training.method lora, or lora.init default or gaussian"
+        )
+    family.check_lora(cfg, hf_config, lora_targets(cfg, family))
 
 
 def apply_peft(model, cfg: Config, family: Family):
@@ -261,6 +287,11 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
     tokenizer = load_tokenizer(cfg)
     if cfg.training.method == "qlora" and not family.quantizable:
         raise ModelLoadError(f"training.method: qlora is not available for the {family.name} family")
+    hf_config = family.configure(hf_config, cfg)
+    if cfg.training.method in ("lora", "qlora"):
+        check_lora_config(cfg, family, hf_config)
+    kernel_path = family.kernel_path(hf_config)
+    print(f"kernels: {family.name}/{model_type} runs on {kernel_path}", flush=True)
     model = load_base_model(cfg, family, hf_config, device)
     if cfg.training.method == "qlora" and cfg.quantization.quantize_experts:
         if cfg.lora.target_parameters:
@@ -279,4 +310,5 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
     if cfg.training.method in ("lora", "qlora"):
         model = apply_peft(model, cfg, family)
     report = size_report(model, cfg.training.method)
+    report["kernel_path"] = kernel_path
     return LoadedModel(model=model, tokenizer=tokenizer, family=family, model_type=model_type, report=report)
