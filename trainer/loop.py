@@ -27,6 +27,7 @@ from trainer import checkpoints as ckpt
 from trainer import runlog
 from trainer.config import Config, dump_config
 from trainer.data import IGNORE, Sequence, collate, epoch_order, prepare_data
+from trainer.evaluate import count_targets, evaluate_generation, evaluate_loss, load_task, resolve_metric
 from trainer.experts import ExpertCounter
 from trainer.modeling import load_for_training
 from trainer.telemetry import TelemetrySampler
@@ -123,51 +124,20 @@ def micro_batches(rows: list[int], data: list[Sequence], micro: int, world: int,
     return [collate([data[j] for j in s], pad_id) for s in slices[rank::world]]
 
 
-def count_targets(batch: dict) -> int:
-    return int((batch["labels"][:, 1:] != IGNORE).sum())
-
-
 def forward_loss(model, batch: dict, accelerator):
     """Summed next-token cross-entropy of one micro-batch, and the router aux loss if the model has one."""
-    inputs = {
-        k: batch[k].to(accelerator.device)
-        for k in ("input_ids", "position_ids", "attention_mask")
-        if k in batch
-    }
+    from trainer.families import family_inputs
+
+    inputs = {k: v.to(accelerator.device) for k, v in family_inputs(model, batch).items()}
     with accelerator.autocast():
         out = model(**inputs, use_cache=False)
-    logits = out.logits[:, :-1].float()
+    # A family may flatten packed rows into one (GLA's varlen cu_seqlens): back to the batch's shape.
+    logits = out.logits.reshape(*batch["labels"].shape, -1)[:, :-1].float()
     labels = batch["labels"][:, 1:].to(logits.device)
     ce_sum = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
     )
     return ce_sum, getattr(out, "aux_loss", None)
-
-
-@torch.no_grad()
-def evaluate_loss(model, val: list[Sequence], cfg: Config, accelerator, pad_id: int, counter=None) -> dict:
-    """Token-weighted validation loss across all ranks."""
-    was_training = model.training
-    model.eval()
-    if counter is not None:
-        counter.stop()
-    world, rank = accelerator.num_processes, accelerator.process_index
-    bs = cfg.eval.batch_size
-    batches = [list(range(i, min(i + bs, len(val)))) for i in range(0, len(val), bs)]
-    if cfg.eval.max_batches:
-        batches = batches[: cfg.eval.max_batches]
-    loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    tokens = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    for ids in batches[rank::world]:
-        batch = collate([val[i] for i in ids], pad_id)
-        ce_sum, _ = forward_loss(model, batch, accelerator)
-        loss_sum += ce_sum.double()
-        tokens += count_targets(batch)
-    loss_sum = accelerator.reduce(loss_sum, "sum")
-    tokens = accelerator.reduce(tokens, "sum")
-    model.train(was_training)
-    eval_loss = float(loss_sum / tokens) if tokens > 0 else float("nan")
-    return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(tokens)}
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -269,6 +239,8 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
         loaded = load_for_training(model_source(cfg, resume_from), accelerator.device)
         model, tokenizer = loaded.model, loaded.tokenizer
         data = prepare_data(cfg.paths, cfg.data, tokenizer, loaded.family.packing)
+        task, task_examples = load_task(cfg)
+        cfg = resolve_metric(cfg, task)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         world = accelerator.num_processes
         micro, accum = cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps
@@ -287,6 +259,9 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
         accelerator.register_for_checkpointing(scheduler)
         skip_model_state(accelerator)
         counter = ExpertCounter(accelerator.unwrap_model(model))
+        evaluator = Evaluator(
+            model, tokenizer, data.val, task, task_examples, cfg, accelerator, pad_id, counter, log
+        )
 
         pos, best, run_info = Position(), None, runlog.read_run_json(output_dir)
         if resume_from is not None:
@@ -347,7 +322,7 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
     try:
         model.train()
         if cfg.eval.at_start and step == 0:
-            last_eval = run_evaluation(model, data.val, cfg, accelerator, pad_id, counter, log, step, best)
+            last_eval = evaluator.run(step, best)
         while step < total_steps:
             t0 = time.time()
             rows, pos = next_step_rows(len(data.train), rows_per_step, cfg.training.seed, pos)
@@ -440,11 +415,9 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
 
             should_save = step % cfg.training.save_steps == 0 and step < total_steps
             if step % cfg.eval.interval == 0 or should_save or (step == total_steps and cfg.eval.at_end):
-                last_eval = run_evaluation(
-                    model, data.val, cfg, accelerator, pad_id, counter, log, step, best
-                )
+                last_eval = evaluator.run(step, best)
                 if cfg.logging.report_to and last_eval:
-                    accelerator.log({"eval/loss": last_eval["eval_loss"]}, step=step)
+                    accelerator.log(tracker_eval_metrics(last_eval), step=step)
             if should_save:
                 best = save_and_retain(
                     accelerator,
@@ -563,14 +536,46 @@ def best_is(value, best, cfg: Config) -> bool:
     return value > best if cfg.eval.greater_is_better else value < best
 
 
-def run_evaluation(model, val, cfg, accelerator, pad_id, counter, log, step, best) -> dict | None:
-    if not val:
-        return None
-    result = evaluate_loss(model, val, cfg, accelerator, pad_id, counter)
-    value = metric_value(result, cfg)
-    log.write(runlog.EVAL_LOG, {"step": step, **result, "is_best": best_is(value, best, cfg)})
-    log.event("eval_done", step=step, eval_loss=result["eval_loss"])
-    return {**result, "step": step}
+@dataclass
+class Evaluator:
+    """Everything an evaluation needs, so the loop calls ``evaluator.run(step, best)``."""
+
+    model: object
+    tokenizer: object
+    val: list
+    task: object
+    examples: list
+    cfg: Config
+    accelerator: object
+    pad_id: int
+    counter: ExpertCounter
+    log: runlog.RunLog
+
+    def run(self, step: int, best) -> dict | None:
+        if not self.val and self.task is None:
+            return None
+        self.counter.stop()
+        result = {}
+        if self.val:
+            result = evaluate_loss(
+                self.model, self.val, self.cfg, self.accelerator, self.pad_id, forward_loss
+            )
+        if self.task is not None:
+            generated = evaluate_generation(
+                self.model, self.tokenizer, self.task, self.examples, self.cfg, self.accelerator
+            )
+            result.update(task=generated["task"], metrics=generated["metrics"], samples=generated["samples"])
+        value = metric_value(result, self.cfg)
+        self.log.write(runlog.EVAL_LOG, {"step": step, **result, "is_best": best_is(value, best, self.cfg)})
+        self.log.event("eval_done", step=step, eval_loss=result.get("eval_loss"), metric_value=value)
+        return {**result, "step": step}
+
+
+def tracker_eval_metrics(result: dict) -> dict:
+    metrics = {f"eval/{k}": v for k, v in (result.get("metrics") or {}).items()}
+    if result.get("eval_loss") is not None:
+        metrics["eval/loss"] = result["eval_loss"]
+    return metrics
 
 
 def trainer_state(step: int, pos: Position, last_eval, best, cfg: Config) -> dict:

@@ -41,4 +41,13 @@ def family_for(model_type: str, forced: str = "auto") -> Family:
     return CAUSAL
 
 
-__all__ = ["FAMILIES", "Family", "ModelLoadError", "family_for", "register"]
+def family_inputs(model, batch: dict) -> dict:
+    """The keyword arguments this model's forward takes for a collated batch (see Family.model_inputs).
+
+    Looked up by the model's own type, through DDP and PEFT wrappers, since its forward is what takes them.
+    """
+    config = getattr(getattr(model, "module", model), "config", None)
+    return family_for(getattr(config, "model_type", "") or "").model_inputs(batch)
+
+
+__all__ = ["FAMILIES", "Family", "ModelLoadError", "family_for", "family_inputs", "register"]

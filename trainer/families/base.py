@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 class ModelLoadError(RuntimeError):
     """A model or tokenizer could not be loaded; the message names the missing file or setting."""
+
+
+def causal_inputs(batch: dict) -> dict:
+    """What transformers' causal LMs take: restarting position_ids keep packed documents apart."""
+    return {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
+
+
+def _nothing(*args) -> None:
+    return None
+
+
+def _same_config(hf_config, cfg):
+    return hf_config
+
+
+def _nothing_to_skip(*args) -> tuple[str, ...]:
+    return ()
+
+
+def _transformers_kernels(hf_config) -> str:
+    return "transformers"
 
 
 @dataclass(frozen=True)
@@ -17,6 +39,14 @@ class Family:
     ``packing``: whether packed sequences stay separate. Causal LMs in transformers 5 build a
     block-diagonal mask from restarting ``position_ids``; models that ignore positions
     (linear attention, convolutions) must say False unless they take explicit boundaries.
+
+    Hooks, called in this order by ``modeling.load_for_training`` and ``loop.forward_loss``:
+    ``configure(hf_config, cfg)`` returns the model config adjusted for this run and machine;
+    ``kernel_path(hf_config)`` names the implementation that will run (the ``model_report`` event);
+    ``check_lora(cfg, hf_config, targets)`` raises ``ModelLoadError`` for LoRA settings the family
+    cannot train, before any weights load; ``quantization_skip(hf_config, cfg)`` lists modules that
+    bitsandbytes must leave unquantized; ``model_inputs(batch)`` turns a collated batch into the
+    model's keyword arguments (its logits may come back flattened; the loop reshapes them).
     """
 
     name: str
@@ -27,3 +57,9 @@ class Family:
     lora_variants: tuple[str, ...] = ("lora", "dora", "rslora")
     quantizable: bool = True
     notes: dict = field(default_factory=dict)
+    # Hooks; the defaults suit transformers' causal LMs, GLA and Mamba override them.
+    model_inputs: Callable[[dict], dict] = causal_inputs
+    configure: Callable[[Any, Any], Any] = _same_config
+    kernel_path: Callable[[Any], str] = _transformers_kernels
+    quantization_skip: Callable[[Any, Any], tuple[str, ...]] = _nothing_to_skip
+    check_lora: Callable[[Any, Any, Any], None] = _nothing

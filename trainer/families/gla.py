@@ -1,0 +1,222 @@
+"""Gated Linear Attention through flash-linear-attention (fla), with a CPU path that really runs it.
+
+fla's GLA ops and fused norms are Triton kernels, which need a GPU. Without CUDA this family swaps
+them, in the loaded model only, for PyTorch code: the GLA op for fla's own reference
+(``fla.ops.gla.naive``) and each fused norm/activation module for the same maths in torch (same
+parameters, so checkpoints load and save unchanged). On CUDA, fla's kernels run untouched.
+
+GLA ignores ``position_ids``, so packed rows are cut at document boundaries with ``cu_seqlens``
+(fla's varlen mode, batch size 1): ``model_inputs`` flattens a packed micro-batch into one row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainer.families import register
+from trainer.families.base import Family, ModelLoadError
+
+KERNEL_TRITON = "fla-triton"
+KERNEL_REFERENCE = "fla-naive-torch"
+TORCH_ACTIVATIONS = {
+    "swish": F.silu,
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "relu": F.relu,
+    "gelu": F.gelu,
+}
+
+
+def _import_fla():
+    try:
+        import fla  # noqa: F401 - registers 'gla' with transformers' Auto classes
+        import fla.models  # noqa: F401
+    except ImportError as exc:
+        raise ModelLoadError(
+            f"model: the gla family needs flash-linear-attention (pip install -e .[gla]): {exc}"
+        ) from exc
+
+
+def uses_reference_ops() -> bool:
+    return not torch.cuda.is_available()
+
+
+def kernel_path(hf_config) -> str:
+    return KERNEL_REFERENCE if uses_reference_ops() else KERNEL_TRITON
+
+
+# ---------------------------------------------------------------- the CPU path
+
+
+def naive_gla(
+    q,
+    k,
+    v,
+    gk=None,
+    g=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    state_v_first=False,
+    cu_seqlens=None,
+    **_,
+):
+    """Stands in for fla's chunk_gla / fused_chunk_gla / fused_recurrent_gla (same arguments).
+
+    fla's reference handles one batch of equal-length rows; varlen input (``cu_seqlens``, batch 1)
+    runs it once per sequence so no state crosses a boundary.
+    """
+    from fla.ops.gla.naive import naive_recurrent_gla
+
+    gate = gk if gk is not None else g
+    if scale is not None and scale != q.shape[-1] ** -0.5:
+        q = q * (scale * q.shape[-1] ** 0.5)  # the reference always scales by K**-0.5
+    if initial_state is not None and state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
+    if cu_seqlens is None:
+        o, state = naive_recurrent_gla(q, k, v, gate, initial_state, output_final_state)
+    else:
+        bounds = cu_seqlens.tolist()
+        outs, states = [], []
+        for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            init = initial_state[i : i + 1] if initial_state is not None else None
+            piece = (t[:, start:end] for t in (q, k, v, gate))
+            o_i, s_i = naive_recurrent_gla(*piece, init, output_final_state)
+            outs.append(o_i)
+            states.append(s_i)
+        o = torch.cat(outs, dim=1)
+        state = torch.cat(states) if output_final_state else None
+    if state is not None and state_v_first:
+        state = state.transpose(-1, -2)
+    return o, state
+
+
+def _torch_rms_norm(module, x, residual=None, prenorm=False, residual_in_fp32=False):
+    """fla's RMSNorm semantics (optional residual add, prenorm returns the sum too), in torch."""
+    dtype = x.dtype
+    if residual is not None:
+        x = x.float() + residual.float() if residual_in_fp32 else x + residual
+    summed = x
+    y = x.float() * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + module.eps)
+    if module.weight is not None:
+        y = y * module.weight.float()
+    if getattr(module, "bias", None) is not None:
+        y = y + module.bias.float()
+    y = y.to(dtype)
+    return (y, summed) if prenorm else y
+
+
+def _swap_to_torch(model, hidden_act: str) -> list[str]:
+    """Give every Triton-backed fla module a torch forward (class swap: parameters stay as they are).
+
+    Returns the modules left without a CPU path."""
+    from fla.layers.gla import GatedLinearAttention
+    from fla.modules import FusedRMSNormGated, GatedMLP, RMSNorm
+
+    class TorchRMSNorm(RMSNorm):
+        def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+            return _torch_rms_norm(self, x, residual, prenorm, residual_in_fp32)
+
+    class TorchRMSNormGated(FusedRMSNormGated):
+        def forward(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
+            out = _torch_rms_norm(self, x, residual, prenorm, residual_in_fp32)
+            y, summed = out if prenorm else (out, None)
+            y = (y.float() * TORCH_ACTIVATIONS[self.activation](g.float())).to(y.dtype)
+            return (y, summed) if prenorm else y
+
+    class TorchGatedMLP(GatedMLP):
+        def forward(self, x, **kwargs):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    swapped = {RMSNorm: TorchRMSNorm, FusedRMSNormGated: TorchRMSNormGated, GatedMLP: TorchGatedMLP}
+    unsupported = []
+    for name, module in model.named_modules():
+        cls = type(module)
+        if cls in swapped and not (cls is GatedMLP and module.hidden_act != "swish"):
+            module.__class__ = swapped[cls]
+        elif cls is GatedLinearAttention:
+            if module.use_short_conv:
+                unsupported.append(f"{name}.q_conv1d (use_short_conv)")
+            if hasattr(module, "gate_fn"):
+                if hidden_act not in TORCH_ACTIVATIONS:
+                    unsupported.append(f"{name} (gate activation {hidden_act})")
+                module.gate_fn = TORCH_ACTIVATIONS.get(hidden_act, module.gate_fn)
+        elif cls.__module__.startswith("fla.") and cls.__module__ != "fla.models.gla.modeling_gla":
+            unsupported.append(f"{name} ({cls.__name__})")
+    return unsupported
+
+
+def use_reference_ops() -> None:
+    """Point fla's GLA layer at the reference op. Process-wide, and only ever done without CUDA."""
+    import fla.layers.gla as layer
+
+    layer.chunk_gla = layer.fused_chunk_gla = layer.fused_recurrent_gla = naive_gla
+
+
+# ---------------------------------------------------------------- the family
+
+
+def configure(hf_config, cfg):
+    _import_fla()
+    # fla's fused SwiGLU reads down_proj.weight directly: a 4-bit or LoRA-wrapped down_proj would be
+    # bypassed, so the MLP runs unfused whenever adapters or quantization are involved.
+    if cfg.training.method != "full":
+        hf_config.fuse_swiglu = False
+    if uses_reference_ops():
+        # Fused (linear) cross-entropy is CUDA-only; the loop computes its own loss anyway.
+        hf_config.fuse_cross_entropy = False
+        hf_config.fuse_linear_cross_entropy = False
+        if getattr(hf_config, "attn", None) or getattr(hf_config, "attnres_block_size", None):
+            raise ModelLoadError(
+                "model: this GLA config mixes in softmax-attention or attnres layers, which have no CPU path "
+                "here; train it on a CUDA GPU"
+            )
+    return hf_config
+
+
+def load_gla(model_cfg, config, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    _import_fla()
+    if kwargs.pop("from_config", False):
+        model = AutoModelForCausalLM.from_config(config, dtype=kwargs.get("dtype"))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_cfg.name_or_path, config=config, revision=model_cfg.revision, **kwargs
+        )
+    if uses_reference_ops():
+        use_reference_ops()
+        unsupported = _swap_to_torch(model, model.config.hidden_act)
+        if unsupported:
+            raise ModelLoadError(
+                f"model: GLA modules without a CPU path: {', '.join(unsupported[:3])}; train on a CUDA GPU"
+            )
+    return model
+
+
+def model_inputs(batch: dict) -> dict:
+    """Packed rows become one varlen row: ``cu_seqlens`` marks every document (positions restart at 0).
+
+    Rows with padding (no packing) carry an attention mask, which fla unpads into the same varlen form.
+    """
+    if "attention_mask" in batch:
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    ids = batch["input_ids"].reshape(1, -1)
+    starts = torch.nonzero(batch["position_ids"].reshape(-1) == 0).flatten()
+    cu_seqlens = torch.cat([starts, torch.tensor([ids.shape[1]])]).to(torch.int32)
+    return {"input_ids": ids, "cu_seqlens": cu_seqlens}
+
+
+GLA = Family(
+    name="gla",
+    model_types=("gla",),
+    default_lora_targets=["q_proj", "k_proj", "v_proj", "g_proj", "o_proj"],
+    packing=True,  # through cu_seqlens, see model_inputs
+    load=load_gla,
+    model_inputs=model_inputs,
+    configure=configure,
+    kernel_path=kernel_path,
+)
+
+register(GLA)

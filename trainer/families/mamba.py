@@ -1,0 +1,243 @@
+"""Mamba (Mamba-1) and Mamba-2 through transformers, on the fastest kernels this machine has.
+
+Kernel paths, best first (the ``model_report`` event records which one ran, as ``kernel_path``):
+
+- ``mamba_ssm``: transformers found the compiled mamba_ssm and causal_conv1d packages (CUDA only).
+- ``fla-triton-ssd`` (Mamba-2, CUDA, no mamba_ssm): the SSD scan is a scalar-gated linear attention,
+  so it runs as flash-linear-attention's Triton ``chunk_simple_gla``, the short convolution as fla's
+  Triton ``causal_conv1d``. No compiled extension is needed: fla and triton are pure-Python wheels.
+- ``mambapy`` (Mamba-1 without mamba_ssm): the mambapy package's parallel scan, pure PyTorch, about
+  15x faster than the sequential reference loop on a CPU.
+- ``torch-reference``: transformers' PyTorch code. Fine for tests on a CPU; on a GPU it is slow and,
+  for Mamba-2, memory-hungry, so a GPU run on it prints a loud warning.
+
+Mamba ignores ``position_ids`` and its reference kernels cannot take sequence boundaries, so this
+family turns packing off: one document (or chunk of one) per row, right-padded, with an attention mask.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from trainer.families import register
+from trainer.families.base import Family, ModelLoadError
+
+KERNEL_MAMBA_SSM = "mamba_ssm"
+KERNEL_FLA = "fla-triton-ssd"
+KERNEL_MAMBAPY = "mambapy"
+KERNEL_REFERENCE = "torch-reference"
+
+# PEFT refuses LoRA on these (mixer weights read directly by the kernels).
+PEFT_REFUSED = ("out_proj", "conv1d")
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _fla_usable() -> bool:
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d  # noqa: F401
+        from fla.ops.simple_gla import chunk_simple_gla  # noqa: F401
+    except Exception:  # noqa: BLE001 - fla or triton missing or broken: not this path
+        return False
+    return True
+
+
+def kernel_path(hf_config) -> str:
+    cuda = torch.cuda.is_available()
+    if cuda and _installed("mamba_ssm") and _installed("causal_conv1d"):
+        return KERNEL_MAMBA_SSM
+    if hf_config.model_type == "mamba2" and cuda and _fla_usable():
+        return KERNEL_FLA
+    if hf_config.model_type == "mamba" and _installed("mambapy"):
+        return KERNEL_MAMBAPY
+    return KERNEL_REFERENCE
+
+
+# ---------------------------------------------------------------- Mamba-2 on fla's Triton kernels
+
+
+def fla_ssd_scan(
+    hidden_states,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size=None,
+    D=None,
+    dt_bias=None,
+    initial_states=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+    cu_seqlens=None,
+    op=None,
+    **_,
+):
+    """transformers' ``mamba2_chunk_scan`` (same arguments and result) as a simple-GLA call.
+
+    SSD: h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T, y_t = C_t h_t + D x_t. That is linear attention
+    with q = C, k = B, v = dt x, a per-head log-decay g = dt A and scale 1; the state layout
+    [heads, head_dim, state] is fla's ``state_v_first``. ``op`` defaults to fla's chunk kernel.
+    """
+    if op is None:
+        from fla.ops.simple_gla import chunk_simple_gla as op
+    heads, groups = hidden_states.shape[2], B.shape[2]
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    lo, hi = dt_limit
+    if lo > 0.0 or not math.isinf(hi):
+        dt = dt.clamp(min=lo, max=hi)
+    dtype = hidden_states.dtype
+    q = C.repeat_interleave(heads // groups, dim=2).to(dtype)
+    k = B.repeat_interleave(heads // groups, dim=2).to(dtype)
+    v = (hidden_states.float() * dt.float()[..., None]).to(dtype)
+    g = dt.float() * A.float()
+    o, final = op(
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        scale=1.0,
+        initial_state=initial_states,
+        output_final_state=return_final_states,
+        state_v_first=True,
+        cu_seqlens=cu_seqlens,
+    )
+    o = o.float()
+    if D is not None:
+        o = o + D.float()[:, None] * hidden_states.float()
+    return (o, final) if return_final_states else o
+
+
+def fla_causal_conv1d(hidden_states, weight, bias=None, activation=None, cu_seqlens=None, **_):
+    """transformers' ``causal_conv1d_fn`` ([batch, channels, time] in and out) on fla's Triton kernel."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    out, _ = causal_conv1d(
+        x=hidden_states.transpose(1, 2).contiguous(),
+        weight=weight,
+        bias=bias,
+        activation=activation,
+        cu_seqlens=cu_seqlens,
+    )
+    return out.transpose(1, 2)
+
+
+def use_fla_kernels() -> None:
+    """Point transformers' Mamba-2 mixer at the fla functions above (CUDA only, process-wide)."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    modeling_mamba2.mamba2_chunk_scan = fla_ssd_scan
+    modeling_mamba2.causal_conv1d_fn = fla_causal_conv1d
+
+
+# ---------------------------------------------------------------- the family
+
+
+def _transformers_classes(model_type: str):
+    from transformers import Mamba2Config, Mamba2ForCausalLM, MambaConfig, MambaForCausalLM
+
+    if model_type == "mamba2":
+        return Mamba2Config, Mamba2ForCausalLM
+    return MambaConfig, MambaForCausalLM
+
+
+def configure(hf_config, cfg):
+    # `import fla` registers fla's own Mamba classes for these model types with the Auto classes;
+    # this family trains transformers' implementation, so it reads config.json with its class.
+    config_cls, _ = _transformers_classes(hf_config.model_type)
+    if type(hf_config) is not config_cls:
+        hf_config = config_cls.from_pretrained(
+            cfg.model.name_or_path, revision=cfg.model.revision, cache_dir=cfg.paths.cache_dir
+        )
+    path = kernel_path(hf_config)
+    if hf_config.model_type == "mamba":
+        hf_config.use_mambapy = path == KERNEL_MAMBAPY
+    if torch.cuda.is_available() and path in (KERNEL_REFERENCE, KERNEL_MAMBAPY):
+        print(
+            f"WARNING: {hf_config.model_type} is training on a GPU WITHOUT fast kernels ({path}); expect it "
+            "to be many times slower and, for Mamba-2, far hungrier for memory. Install mamba-ssm and "
+            "causal-conv1d (or, for Mamba-2, flash-linear-attention with triton).",
+            file=sys.stderr,
+            flush=True,
+        )
+    return hf_config
+
+
+def load_mamba(model_cfg, config, **kwargs):
+    _, model_cls = _transformers_classes(config.model_type)
+    if kernel_path(config) == KERNEL_FLA:
+        use_fla_kernels()
+    if kwargs.pop("from_config", False):
+        return model_cls._from_config(config, dtype=kwargs.get("dtype"))
+    return model_cls.from_pretrained(
+        model_cfg.name_or_path, config=config, revision=model_cfg.revision, **kwargs
+    )
+
+
+def quantization_skip(hf_config, cfg) -> tuple[str, ...]:
+    """Modules whose weight a kernel reads directly: a 4-bit copy there breaks the forward pass."""
+    fused = kernel_path(hf_config) == KERNEL_MAMBA_SSM
+    if hf_config.model_type == "mamba":
+        # The reference path computes dt_proj.weight @ x itself; mamba_inner_fn also reads x_proj and out_proj.
+        return ("dt_proj", "x_proj", "out_proj") if fused else ("dt_proj",)
+    return ("out_proj",) if fused else ()
+
+
+def check_lora(cfg, hf_config, targets) -> None:
+    if not isinstance(targets, (list, tuple)):
+        if targets == "all-linear":
+            raise ModelLoadError(
+                "lora.target_modules: all-linear would include out_proj, which PEFT refuses for Mamba; "
+                f"list modules instead (default: {', '.join(MAMBA.default_lora_targets)})"
+            )
+        return
+    refused = [t for t in targets if t in PEFT_REFUSED]
+    if refused:
+        raise ModelLoadError(
+            f"lora.target_modules: {', '.join(refused)} cannot take LoRA in Mamba models (PEFT refuses "
+            "out_proj and conv1d); use in_proj (and x_proj for Mamba-1)"
+        )
+    direct = ["dt_proj"] if hf_config.model_type == "mamba" else []
+    if hf_config.model_type == "mamba" and kernel_path(hf_config) == KERNEL_MAMBA_SSM:
+        direct.append("x_proj")  # mamba_inner_fn reads it directly too
+    ignored = [t for t in targets if t in direct]
+    if ignored:
+        raise ModelLoadError(
+            f"lora.target_modules: {', '.join(ignored)} would get no gradient here (the kernel reads its "
+            "weight directly, bypassing LoRA); use in_proj"
+        )
+
+
+def model_inputs(batch: dict) -> dict:
+    """Mamba takes no position ids; padding (packing is off) is masked out of the state."""
+    return {k: batch[k] for k in ("input_ids", "attention_mask") if k in batch}
+
+
+MAMBA = Family(
+    name="mamba",
+    model_types=("mamba", "mamba2"),
+    # PEFT skips names a model lacks, so Mamba-2 (no x_proj) takes the same list.
+    default_lora_targets=["in_proj", "x_proj"],
+    packing=False,
+    load=load_mamba,
+    model_inputs=model_inputs,
+    configure=configure,
+    kernel_path=kernel_path,
+    quantization_skip=quantization_skip,
+    check_lora=check_lora,
+)
+
+register(MAMBA)
