@@ -29,6 +29,18 @@ def is_number(value) -> bool:
     return value.__class__ in _NUMBER_TYPES
 
 
+def finite(value) -> float | int | None:
+    """A number fit for JSON: finite ints and floats pass, everything else (bools too) becomes None."""
+    if value.__class__ not in (int, float) or (value.__class__ is float and not math.isfinite(value)):
+        return None
+    return value
+
+
+def record_ts(record: dict | None) -> float | None:
+    """A record's ``ts`` when it is a usable number."""
+    return finite(record.get("ts")) if record else None
+
+
 class Columns:
     """Rows of numeric fields kept as parallel arrays; row ``i`` of every column is one record."""
 
@@ -64,12 +76,23 @@ class Columns:
             column.insert(row, as_float(record.get(name)))
         self.rows += 1
 
-    def value(self, name: str, row: int) -> float:
-        column = self.columns.get(name)
-        return column[row] if column is not None and 0 <= row < self.rows else NAN
+    def extend(self, records: list[dict]) -> None:
+        """Append many rows at once: one list per column, converted in C when all are numbers.
 
-    def row(self, row: int) -> dict[str, float]:
-        return {name: column[row] for name, column in self.columns.items()}
+        About four times faster than ``append`` per record, which matters for the first read of a
+        million-line log. Columns new in this batch read None (NaN) for the rows before them.
+        """
+        seen = self._seen
+        for record in records:
+            if not record.keys() <= seen:
+                self._add_new_fields(record)
+        for name, column in self.columns.items():
+            values = [record.get(name) for record in records]
+            try:
+                column.extend(array("d", values))
+            except (TypeError, OverflowError):  # None, text or a huge int somewhere: one by one
+                column.extend(array("d", map(as_float, values)))
+        self.rows += len(records)
 
     def clear(self) -> None:
         self.columns = {}
@@ -100,6 +123,23 @@ class StepTable(Columns):
             self.steps.insert(at, step)
             self.insert(at, record)
         return True
+
+    def extend(self, records: list[dict]) -> list[dict]:
+        """Add the records that have a valid step, and return those.
+
+        A batch of new, increasing steps (the common case) is appended column by column; a batch
+        with replayed or out-of-order steps goes record by record.
+        """
+        valid = [r for r in records if r.get("step").__class__ is int and r["step"] >= 0]
+        steps = [r["step"] for r in valid]
+        increasing = all(a < b for a, b in zip(steps, steps[1:]))
+        if valid and increasing and (not self.steps or steps[0] > self.steps[-1]):
+            self.steps.extend(array("q", steps))
+            super().extend(valid)
+        else:
+            for record in valid:
+                self.add(record)
+        return valid
 
     def index_from(self, since_step: int) -> int:
         """First row whose step is >= ``since_step``."""

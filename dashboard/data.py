@@ -15,7 +15,7 @@ import numpy as np
 
 from trainer import runlog
 
-from .columns import as_float
+from .columns import as_float, finite, record_ts
 from .errors import DashboardError
 from .reader import inside, tail_records
 from .rundata import RunData, files_mtime, read_json_under
@@ -27,33 +27,10 @@ TRAIN_FIELDS = tuple(f for f in runlog.REQUIRED_FIELDS[runlog.TRAINING_LOG] if f
     "skipped",
 )
 EVAL_FIELDS = ("ts", "eval_loss", "perplexity", "eval_tokens")
-GPU_FIELDS = (
-    "util_pct",
-    "mem_used_mb",
-    "mem_total_mb",
-    "temp_c",
-    "power_w",
-    "cpu_pct",
-    "ram_used_mb",
-    "ram_total_mb",
-)
-
-
-def finite(value) -> float | int | None:
-    """A number fit for JSON: finite ints and floats pass, everything else becomes None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def _ts(record: dict | None) -> float | None:
-    return finite(record.get("ts")) if record else None
 
 
 def _last_ts(records: list[dict]) -> float | None:
-    return _ts(records[-1]) if records else None
+    return record_ts(records[-1]) if records else None
 
 
 # ---------------------------------------------------------------- status and stats
@@ -62,11 +39,11 @@ def _last_ts(records: list[dict]) -> float | None:
 def last_activity(run: RunData) -> float | None:
     """Newest ``ts`` among the logs that only move while training moves (not GPU telemetry)."""
     times = [
-        _ts(run.train.latest),
+        record_ts(run.train.latest),
         _last_ts(run.events.items),
         _last_ts(run.errors.items),
         max((w["ts"] for w in run.experts.windows.values() if math.isfinite(w["ts"])), default=None),
-        max((t for t in map(_ts, run.evals.by_key.values()) if t is not None), default=None),
+        max((t for t in map(record_ts, run.evals.by_key.values()) if t is not None), default=None),
         finite(run.run_json.get("updated_at")),
         finite(run.run_json.get("started_at")),
     ]
@@ -149,7 +126,7 @@ def stats(run: RunData, policy: StallPolicy, now: float | None = None) -> dict:
             else (0.0 if status == "finished" else None)
         )
         last_ckpt = latest_checkpoint(run)
-        latest_ts = _ts(latest)
+        latest_ts = record_ts(latest)
         nonfinite = latest.get("nonfinite") if isinstance(latest.get("nonfinite"), list) else []
         return {
             "run": run.name,
@@ -197,9 +174,9 @@ def run_summary(name: str, path: Path, root: Path, policy: StallPolicy, now: flo
     events = tail_records(logs / runlog.EVENTS_LOG, root)
     errors = tail_records(logs / runlog.ERROR_LOG, root)
     latest = train[-1] if train else {}
-    train_ts = [t for t in map(_ts, train) if t is not None]
+    train_ts = [t for t in map(record_ts, train) if t is not None]
     times = [
-        _ts(latest),
+        record_ts(latest),
         _last_ts(events),
         _last_ts(errors),
         finite(info.get("updated_at")),
@@ -237,11 +214,18 @@ def runs(registry: RunRegistry, policy: StallPolicy, now: float | None = None) -
 # ---------------------------------------------------------------- series
 
 
-def _points(ts: np.ndarray, steps: np.ndarray, values: np.ndarray, max_points: int) -> tuple[list, int]:
-    keep = downsample_indices(values, max_points)
-    kept_values = [v if math.isfinite(v) else None for v in values[keep].tolist()]
-    wall = [t if math.isfinite(t) else None for t in ts[keep].tolist()]
-    return [list(p) for p in zip(wall, steps[keep].tolist(), kept_values)], len(values) - len(keep)
+def _points(ts, steps, values: np.ndarray, max_points: int, offset: int = 0) -> tuple[list, int]:
+    """``[[wall_time, step, value], ...]`` at the kept indices; ``ts``/``steps`` indexed from ``offset``.
+
+    Only the value column is copied; wall times and steps are read at the kept rows alone.
+    """
+    keep = downsample_indices(values, max_points).tolist()
+    kept = values[keep].tolist()
+    points = [
+        [None if ts is None else finite(ts[offset + i]), steps[offset + i], v if math.isfinite(v) else None]
+        for i, v in zip(keep, kept)
+    ]
+    return points, len(values) - len(keep)
 
 
 def _train_series(run: RunData, fields: list[str], since_step: int, max_points: int) -> dict:
@@ -253,14 +237,12 @@ def _train_series(run: RunData, fields: list[str], since_step: int, max_points: 
             f"unknown field(s) {', '.join(unknown)} in the training log; fields: {', '.join(available_fields(run))}",
         )
     start = table.index_from(since_step)
-    steps = np.frombuffer(table.steps[start:], dtype=np.int64)
-    ts_col = table.columns.get("ts")
-    ts = np.frombuffer(ts_col[start:], dtype=float) if ts_col is not None else np.full(len(steps), np.nan)
+    ts = table.columns.get("ts")
     series = {}
     for name in fields:
         column = table.columns.get(name)
         values = np.frombuffer(column[start:], dtype=float) if column is not None else np.empty(0)
-        points, dropped = _points(ts, steps, values, max_points) if len(values) else ([], 0)
+        points, dropped = _points(ts, table.steps, values, max_points, start) if len(values) else ([], 0)
         series[name] = {"points": points, "total": len(values), "dropped": dropped}
     return series
 
@@ -285,8 +267,8 @@ def _eval_series(run: RunData, fields: list[str], since_step: int, max_points: i
         raise DashboardError(
             400, f"unknown field(s) {', '.join(unknown)} in the eval log; fields: {', '.join(sorted(known))}"
         )
-    steps = np.array([r["step"] for r in records], dtype=np.int64)
-    ts = np.array([f.get("ts", math.nan) for f in flats], dtype=float)
+    steps = [r["step"] for r in records]
+    ts = [f.get("ts", math.nan) for f in flats]
     series = {}
     for name in fields:
         values = np.array([f.get(name, math.nan) for f in flats], dtype=float)
@@ -343,7 +325,8 @@ def events(run: RunData, kinds: set[str] | None, limit: int, since_ts: float | N
         chosen = [
             e
             for e in items
-            if (kinds is None or e["event"] in kinds) and (since_ts is None or (_ts(e) or 0.0) > since_ts)
+            if (kinds is None or e["event"] in kinds)
+            and (since_ts is None or (record_ts(e) or 0.0) > since_ts)
         ]
         return {
             "run": run.name,
@@ -398,7 +381,7 @@ def checkpoint_rows(run: RunData) -> list[dict]:
             rows[name] = {
                 "name": name,
                 "step": step if step is not None else runlog.checkpoint_step(name),
-                "ts": _ts(event),
+                "ts": record_ts(event),
                 "size_bytes": finite(event.get("size_bytes")),
                 "metric": event.get("metric"),
                 "metric_value": finite(event.get("metric_value")),

@@ -122,7 +122,7 @@ def train_column(run: RunData, name: str, since_step: int = 0) -> tuple[np.ndarr
         column = table.columns.get(name)
         if column is None:
             return np.empty(0), np.empty(0)
-        steps = np.frombuffer(table.steps[start:], dtype=np.int64).astype(float)
+        steps = np.frombuffer(table.steps[start:], dtype=np.int64)
         return steps, np.frombuffer(column[start:], dtype=float)
 
 

@@ -66,19 +66,18 @@ class TrainLog(Store):
         self.nonfinite_records = 0
         self.skipped_steps = 0
 
-    def add(self, record: dict) -> bool:
-        if not self.table.add(record):
-            return False
-        self.latest = record
-        self.records_read += 1
-        ts = as_float(record.get("ts"))
-        if ts == ts:
-            self.recent_ts.append(ts)
-        if record.get("nonfinite"):
-            self.nonfinite_records += 1
-        if record.get("skipped") is True:
-            self.skipped_steps += 1
-        return True
+    def ingest(self, records: list[dict]) -> None:
+        kept = self.table.extend(records)
+        self.invalid += len(records) - len(kept)
+        if kept:
+            self.latest = kept[-1]
+            self.records_read += len(kept)
+            self.recent_ts.extend(
+                t for t in map(as_float, (r.get("ts") for r in kept[-RECENT_INTERVALS:])) if t == t
+            )
+            self.nonfinite_records += sum(1 for r in kept if r.get("nonfinite"))
+            self.skipped_steps += sum(1 for r in kept if r.get("skipped") is True)
+        self.version = next(_versions)
 
 
 class EvalLog(Store):

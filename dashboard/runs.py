@@ -17,6 +17,7 @@ from pathlib import Path
 
 from trainer import runlog
 
+from .columns import record_ts
 from .errors import DashboardError
 from .reader import inside
 from .rundata import RunData, read_json_under
@@ -148,17 +149,12 @@ def typical_interval(timestamps) -> float | None:
     return statistics.median(gaps) if gaps else None
 
 
-def _ts(record: dict) -> float | None:
-    value = record.get("ts")
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 def lifecycle(events: list[dict]) -> tuple[str | None, float | None]:
     """(status of a run_end after the last run_start, time of the last run_start)."""
     for event in reversed(events):
         kind = event.get("event")
         if kind == "run_start":
-            return None, _ts(event)
+            return None, record_ts(event)
         if kind == "run_end":
             status = event.get("status")
             return (status if isinstance(status, str) else "finished"), None
@@ -188,7 +184,7 @@ def assess(
     ended, started = lifecycle(events)
     if ended in ("finished", "failed", "interrupted"):
         return ended, "run_end event"
-    error_times = [t for t in map(_ts, errors) if t is not None and (started is None or t >= started)]
+    error_times = [t for t in map(record_ts, errors) if t is not None and (started is None or t >= started)]
     if error_times and (not train_ts or train_ts[-1] <= max(error_times)):
         return "failed", "error logged and no training step since"
     if last_activity is None:

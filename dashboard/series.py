@@ -19,22 +19,28 @@ DEFAULT_MA_WINDOW = 10
 
 
 def downsample_indices(values: np.ndarray, max_points: int) -> np.ndarray:
-    """Indices to keep: all when few enough, else first, last, and each bucket's min and max."""
+    """Indices to keep: all when few enough, else first, last, and each bucket's min and max.
+
+    Non-finite points are never a bucket's pick unless the whole bucket is non-finite.
+    """
     n = len(values)
     if max_points <= 0 or n <= max_points:
         return np.arange(n)
-    buckets = max(1, (max_points - 2) // 2)
     inner = n - 2
-    size = math.ceil(inner / buckets)
+    size = math.ceil(inner / max(1, (max_points - 2) // 2))
     buckets = math.ceil(inner / size)
-    padded = np.full(buckets * size, np.nan)
-    padded[:inner] = values[1:-1]
-    grid = padded.reshape(buckets, size)
-    finite = np.isfinite(grid)
-    low = np.where(finite, grid, np.inf).argmin(axis=1)
-    high = np.where(finite, grid, -np.inf).argmax(axis=1)
+    # Pad the last bucket with a copy of its last value: ties pick the first (real) position.
+    grid = np.empty(buckets * size)
+    grid[:inner] = values[1:-1]
+    grid[inner:] = values[-2]
+    grid = grid.reshape(buckets, size)
+    if np.isfinite(grid).all():
+        low, high = grid.argmin(axis=1), grid.argmax(axis=1)
+    else:
+        finite = np.isfinite(grid)
+        low = np.where(finite, grid, np.inf).argmin(axis=1)
+        high = np.where(finite, grid, -np.inf).argmax(axis=1)
     offsets = np.arange(buckets) * size + 1
-    # Rows that are all NaN pick their first (real) position, never the padding.
     return np.unique(np.concatenate(([0], offsets + low, offsets + high, [n - 1])))
 
 
@@ -58,32 +64,39 @@ def ema(values: Sequence[float], weight: float = DEFAULT_EMA_WEIGHT) -> np.ndarr
 
     Vectorized in blocks: inside a block, y_i = w^(i+1) y_prev + (1-w) sum_j w^(i-j) x_j, a
     cumulative sum of x_j w^-j; blocks are short enough that w^-j stays far from overflow.
-    Several times faster than the loop on a million points, equal to it within rounding.
+    Works through the series a slice at a time, so a million points need little extra memory.
+    Several times faster than the loop (``ema_reference``), equal to it within rounding.
     """
     array = np.asarray(values, dtype=float)
-    out = array.copy()
-    positions = np.flatnonzero(np.isfinite(array))
-    x = array[positions]
+    finite = np.isfinite(array)
+    x = array if finite.all() else array[finite]
     if weight <= 0 or len(x) == 0:
-        return out
+        return array.copy()
     block = max(1, min(1024, int(250 / -math.log10(weight))))
-    blocks = -(-len(x) // block)
-    grid = np.zeros(blocks * block)
-    grid[: len(x)] = x
-    grid = grid.reshape(blocks, block)
     powers = weight ** np.arange(block + 1)
-    # Each block as if it started from zero, then carry the previous block's last value in.
-    partial = np.cumsum(grid / powers[:block], axis=1) * powers[:block] * (1 - weight)
-    carried = np.empty(blocks)
+    y = np.empty(len(x))
     previous = 0.0
-    for k, last in enumerate(partial[:, -1].tolist()):
-        carried[k] = previous
-        previous = last + previous * powers[block]
-    y = (partial + carried[:, None] * powers[1:]).ravel()[: len(x)]
+    for start in range(0, len(x), block * 64):
+        chunk = x[start : start + block * 64]
+        rows = -(-len(chunk) // block)
+        grid = np.zeros(rows * block)
+        grid[: len(chunk)] = chunk
+        # Each block as if it started from zero, then carry the previous block's last value in.
+        partial = np.cumsum(grid.reshape(rows, block) / powers[:block], axis=1)
+        partial *= powers[:block] * (1 - weight)
+        carried = np.empty(rows)
+        for k, last in enumerate(partial[:, -1].tolist()):
+            carried[k] = previous
+            previous = last + previous * powers[block]
+        partial += carried[:, None] * powers[1:]
+        y[start : start + len(chunk)] = partial.ravel()[: len(chunk)]
     # Bias correction 1 - w^k; w^k is below double precision after a few dozen points.
     head = min(len(x), int(40 / -math.log10(weight)) + 1)
     y[:head] /= 1.0 - weight ** np.arange(1, head + 1)
-    out[positions] = y
+    if x is array:
+        return y
+    out = array.copy()
+    out[finite] = y
     return out
 
 
@@ -105,16 +118,20 @@ def last_ema(values: Sequence[float], weight: float = DEFAULT_EMA_WEIGHT, tail: 
 
 
 def moving_average(values: Sequence[float], window: int = DEFAULT_MA_WINDOW) -> np.ndarray:
-    """Trailing mean over the last ``window`` finite points; NaN points stay NaN."""
+    """Trailing mean over the last ``window`` finite points; non-finite points pass through."""
     array = np.asarray(values, dtype=float)
+    finite = np.isfinite(array)
+    x = array if finite.all() else array[finite]
+    sums = np.cumsum(x)
+    y = np.empty(len(x))
+    head = min(window, len(x))
+    y[:head] = sums[:head] / np.arange(1, head + 1)
+    y[head:] = sums[head:] - sums[:-head] if head else 0.0
+    y[head:] /= window
+    if x is array:
+        return y
     out = array.copy()
-    positions = np.flatnonzero(np.isfinite(array))
-    if len(positions):
-        # For the k-th finite point, the mean of finite points k-window+1 .. k.
-        sums = np.concatenate(([0.0], np.cumsum(array[positions])))
-        k = np.arange(1, len(positions) + 1)
-        lo = np.maximum(k - window, 0)
-        out[positions] = (sums[k] - sums[lo]) / (k - lo)
+    out[finite] = y
     return out
 
 

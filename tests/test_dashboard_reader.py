@@ -186,6 +186,9 @@ def test_last_ema_equals_full_ema():
 
 def test_moving_average_skips_nonfinite():
     assert moving_average([1.0, 3.0, math.nan, 5.0], 2)[[0, 1, 3]].tolist() == [1.0, 2.0, 4.0]
+    values = np.random.default_rng(1).random(500)
+    expected = [values[max(0, i - 9) : i + 1].mean() for i in range(500)]
+    assert np.allclose(moving_average(values, 10), expected)
 
 
 def test_downsampling_keeps_first_last_and_spikes():
