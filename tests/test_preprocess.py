@@ -7,6 +7,7 @@ one each), so every expected number below can be checked with a pencil.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -19,10 +20,12 @@ from trainer.length_report import (
     REPORT_JSON,
     REPORT_MD,
     analyze,
+    encode_texts,
     format_markdown,
     histogram,
     pack_pieces,
     percentile,
+    piece_counts,
     split_text,
     summary_line,
     write_data_report,
@@ -30,12 +33,25 @@ from trainer.length_report import (
 
 
 class WordTokenizer:
+    """No offsets, like a slow tokenizer: pieces are counted by tokenizing them."""
+
     bos_token_id, eos_token_id, name_or_path = 1, 2, "words"
 
     def __call__(self, text, add_special_tokens=False):
         if isinstance(text, list):
             return {"input_ids": [[3] * len(t.split()) for t in text]}
         return {"input_ids": [3] * len(text.split())}
+
+
+class FastWordTokenizer(WordTokenizer):
+    """With offsets, like a fast tokenizer: the record is tokenized once and pieces counted by offsets."""
+
+    def __call__(self, text, add_special_tokens=False, return_offsets_mapping=False):
+        out = super().__call__(text, add_special_tokens)
+        if return_offsets_mapping:
+            spans = [[m.span() for m in re.finditer(r"\S+", t)] for t in text]
+            out["offset_mapping"] = spans
+        return out
 
 
 R1 = "One two three. Four five six seven.\n\nEight nine ten eleven twelve thirteen fourteen fifteen sixteen."
@@ -75,6 +91,7 @@ def test_percentiles_histogram_and_packing_by_hand():
     assert histogram([1, 2, 7, 12, 19], bins=4) == {"edges": [0, 5, 10, 15, 20], "counts": [2, 1, 1, 1]}
     # 5 opens a chunk (3 left), 4 opens another (4 left), 4 fills it, 10 is a chunk of its own,
     # unsplittable (2 lost).
+    assert piece_counts(["ab cd. ", "ef\n\n", "gh"], [0, 3, 7, 11]) == [2, 1, 1]
     assert pack_pieces([5, 4, 4, 10], 8) == {
         "chunks": 3,
         "unsplittable_segments": 1,
@@ -83,8 +100,9 @@ def test_percentiles_histogram_and_packing_by_hand():
     }
 
 
-def test_text_records_counted_by_hand(tmp_path):
-    report = analyze(config_for(tmp_path, text_lines()), WordTokenizer())
+@pytest.mark.parametrize("tokenizer", [WordTokenizer(), FastWordTokenizer()], ids=["slow", "fast"])
+def test_text_records_counted_by_hand(tmp_path, tokenizer):
+    report = analyze(config_for(tmp_path, text_lines()), tokenizer)
     assert report["format"] == "text" and report["max_length"] == 8
     assert (report["records_total"], report["records_analyzed"], report["skipped_records"]) == (5, 4, 1)
     assert report["sampled"] is False
@@ -179,6 +197,13 @@ def test_real_tokenizer_agrees_with_the_training_data_path(tmp_path):
     assert report["strategies"]["truncate"]["lost_tokens"] == data_report.truncation_would_lose_tokens > 0
     assert report["lengths"]["max"] == max(len(ids) for ids, _ in tokenized)
     assert report["strategies"]["token"]["chunks"] == sum(-(-len(ids) // 64) for ids, _ in tokenized)
+    # Pieces counted by offsets add up to their record exactly.
+    texts = [r["text"] for r in picked[:50]]
+    counts, starts = encode_texts(tokenizer, texts)
+    assert starts is not None  # a fast tokenizer: one tokenization per record
+    for text, count, st in zip(texts, counts, starts):
+        for strategy in ("paragraph", "sentence"):
+            assert sum(piece_counts(split_text(text, strategy), st)) == count
 
 
 def test_cli_writes_both_files_into_the_output_folder(tmp_path):

@@ -11,13 +11,16 @@ BOS, text, EOS) and answers, for ``data.max_length``:
   joined greedily up to max_length; a piece longer than max_length cannot be split this way
   (``unsplittable_*``) and its tokens past max_length are what truncating it would lose.
 
-Pieces keep their trailing whitespace (joined, they give the text back) and are tokenized on
-their own, so piece totals can differ from the record's by a token or two at the cuts.
+Pieces keep their trailing whitespace (joined, they give the text back). With a fast tokenizer
+each token of the record counts in the piece where it starts, so pieces add up to the record
+exactly; a slow one (no offsets) tokenizes each piece on its own, which can differ by a token or
+two at the cuts.
 ``max_records`` analyzes an evenly spaced sample, to keep the start of a run cheap.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import re
@@ -32,6 +35,7 @@ REPORT_JSON = "data_report.json"
 REPORT_MD = "data_report.md"
 STRATEGIES = ("truncate", "token", "paragraph", "sentence")
 HISTOGRAM_BINS = 30
+ENCODE_BATCH = 512
 
 PARAGRAPH_END = re.compile(r"\n[ \t]*\n\s*")
 SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*\s+|\n[ \t]*\n\s*")
@@ -121,6 +125,40 @@ def _token_counts(tokenizer, texts: list[str]) -> list[int]:
     return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
+def encode_texts(tokenizer, texts: list[str]) -> tuple[list[int], list[list[int]] | None]:
+    """Token count of each text and, from a fast tokenizer, each token's start offset (else None).
+
+    With offsets, splitting a text costs no second tokenization: a piece's tokens are those that
+    start inside it. Batched, as one call per record is most of the cost on big files.
+    """
+    counts: list[int] = []
+    starts: list[list[int]] | None = []
+    for at in range(0, len(texts), ENCODE_BATCH):
+        batch = texts[at : at + ENCODE_BATCH]
+        if starts is not None:
+            try:
+                encoded = tokenizer(batch, add_special_tokens=False, return_offsets_mapping=True)
+                starts += [[span[0] for span in spans] for spans in encoded["offset_mapping"]]
+                counts += [len(ids) for ids in encoded["input_ids"]]
+                continue
+            except (TypeError, KeyError, ValueError, NotImplementedError):
+                starts = None  # a slow tokenizer: count pieces by tokenizing them
+        counts += _token_counts(tokenizer, batch)
+    return counts, starts
+
+
+def piece_counts(pieces: list[str], starts: list[int]) -> list[int]:
+    """Tokens per piece of one text, each token counted in the piece where it starts."""
+    counts, end, previous = [], 0, 0
+    for piece in pieces[:-1]:
+        end += len(piece)
+        position = bisect.bisect_left(starts, end)
+        counts.append(position - previous)
+        previous = position
+    counts.append(len(starts) - previous)
+    return counts
+
+
 def _per_record(chunks: list[int]) -> dict:
     counts: dict[str, int] = {}
     for n in chunks:
@@ -160,13 +198,18 @@ def analyze(cfg: Config, tokenizer, max_records: int | None = None) -> dict:
     # BOS and EOS as tokenize_record adds them; they sit on a record's first and last piece.
     bos = 1 if tokenizer.bos_token_id is not None else 0
     eos = 1 if d.add_eos and tokenizer.eos_token_id is not None else 0
-    lengths, texts, target_lost = [], [], []
+    lengths, texts, target_lost, starts = [], [], [], None
     skipped = read_report.skipped_lines
     for i in chosen:
+        where = f"{cfg.paths.train_file}:record {i + 1}"
         try:
-            ids, labels = tokenize_record(
-                records[i], tokenizer, d, fmt, f"{cfg.paths.train_file}:record {i + 1}"
-            )
+            if fmt == "text":
+                text = records[i].get(d.text_field)
+                if not isinstance(text, str):
+                    raise DataError(f"{where}: field '{d.text_field}' must be a string")
+                texts.append(text)
+                continue
+            ids, labels = tokenize_record(records[i], tokenizer, d, fmt, where)
         except DataError:
             if d.on_bad_line == "fail":
                 raise
@@ -174,8 +217,11 @@ def analyze(cfg: Config, tokenizer, max_records: int | None = None) -> dict:
             continue
         lengths.append(len(ids))
         target_lost.append(sum(1 for label in labels[max_length:] if label != IGNORE))
-        if fmt == "text":
-            texts.append(records[i][d.text_field])
+    if fmt == "text":
+        # The same ids as tokenize_record (BOS + text + EOS), in batches; every token is a target.
+        counts, starts = encode_texts(tokenizer, texts)
+        lengths = [bos + n + eos for n in counts]
+        target_lost = [max(0, n - max_length) for n in lengths]
 
     truncate_lost = [max(0, n - max_length) for n in lengths]
     strategies = {
@@ -191,7 +237,7 @@ def analyze(cfg: Config, tokenizer, max_records: int | None = None) -> dict:
                 "response); only truncation and token windows apply",
             }
             continue
-        strategies[name] = _split_strategy(name, texts, (bos, eos), tokenizer, max_length)
+        strategies[name] = _split_strategy(name, texts, starts, (bos, eos), tokenizer, max_length)
 
     dist = distribution(lengths)
     over = sum(1 for n in lengths if n > max_length)
@@ -219,16 +265,17 @@ def analyze(cfg: Config, tokenizer, max_records: int | None = None) -> dict:
 
 
 def _split_strategy(
-    name: str, texts: list[str], specials: tuple[int, int], tokenizer, max_length: int
+    name: str, texts: list[str], starts, specials: tuple[int, int], tokenizer, max_length: int
 ) -> dict:
-    pieces = [split_text(text, name) for text in texts]
-    flat = _token_counts(tokenizer, [p for ps in pieces for p in ps])
+    pieces = [split_text(text, name) or [""] for text in texts]
+    if starts is not None:
+        per_text = [piece_counts(ps, st) for ps, st in zip(pieces, starts)]
+    else:
+        flat = iter(_token_counts(tokenizer, [p for ps in pieces for p in ps]))
+        per_text = [[next(flat) for _ in ps] for ps in pieces]
     chunks, lost = [], []
     unsplittable = unsplittable_tokens = 0
-    at = 0
-    for ps in pieces:
-        counts = flat[at : at + len(ps)] or [0]
-        at += len(ps)
+    for counts in per_text:
         counts[0] += specials[0]
         counts[-1] += specials[1]
         packed = pack_pieces(counts, max_length)
@@ -237,7 +284,7 @@ def _split_strategy(
         unsplittable += packed["unsplittable_segments"]
         unsplittable_tokens += packed["unsplittable_tokens"]
     result = _strategy(chunks, lost, unsplittable, unsplittable_tokens)
-    result["segments"] = len(flat)
+    result["segments"] = sum(len(ps) for ps in pieces if ps != [""])
     return result
 
 
