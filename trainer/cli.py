@@ -16,6 +16,7 @@ EXIT_BAD_INPUT = 2
 VERBS = [
     "trainer.commands.train",
     "trainer.commands.check_config",
+    "trainer.commands.evaluate",
     "trainer.commands.info",
     "trainer.commands.preprocess",
     "trainer.commands.report",

@@ -115,8 +115,10 @@ class EvalConfig:
     max_batches: int = 0
     at_start: bool = False
     at_end: bool = True
-    metric_for_best: str = "eval_loss"
-    greater_is_better: bool = False
+    # auto: the task's official metric when eval.task is set, else eval_loss. greater_is_better unset
+    # (null) follows the metric: lower for losses, higher otherwise.
+    metric_for_best: str = "auto"
+    greater_is_better: bool | None = None
     # Generation-based evaluation on a task (trainer/tasks): glue names, or spider.
     task: str | None = None
     task_data_dir: str | None = None
@@ -362,6 +364,21 @@ def validate(config: Config) -> None:
     _require(e.max_new_tokens is None or e.max_new_tokens > 0, "eval.max_new_tokens: expected > 0")
     _require(e.generation_batch_size > 0, "eval.generation_batch_size: expected > 0")
     _require(config.notify.stall_minutes > 0, "notify.stall_minutes: expected > 0")
+    if e.task is not None:
+        from trainer.tasks import TASK_NAMES
+
+        _require(
+            e.task.lower().replace("-", "") in TASK_NAMES,
+            f"eval.task: expected one of {', '.join(TASK_NAMES)}, got {e.task!r}",
+        )
+        _require(
+            e.task_data_dir is not None or e.task != "spider",
+            "eval.task_data_dir: spider needs a folder with tables.json, database/ and the question files",
+        )
+        if e.task_data_dir is not None:
+            _require(
+                Path(e.task_data_dir).is_dir(), f"eval.task_data_dir: folder not found: {e.task_data_dir}"
+            )
     if config.notify.email_config is not None:
         _require(
             Path(config.notify.email_config).expanduser().is_file(),

@@ -1,0 +1,88 @@
+"""``evaluate``: score a checkpoint on the validation split and/or a task, standalone.
+
+The config defaults to the one saved in the checkpoint's run folder, so the base model is rebuilt
+exactly as training built it; ``--task`` and friends override the eval section.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from trainer.commands import load_config_from_args
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("evaluate", help="evaluate a checkpoint (validation loss and/or a task)")
+    parser.add_argument(
+        "--checkpoint", required=True, help="checkpoint-<step>, final-checkpoint-<step> or best-adapter"
+    )
+    parser.add_argument(
+        "--config", default=None, help="YAML config (default: <run>/config.yaml beside the checkpoint)"
+    )
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    parser.add_argument("--task", help="glue task name (sst2, cola, ...) or spider")
+    parser.add_argument("--task-data-dir", help="GLUE download folder or Spider folder")
+    parser.add_argument("--split", help="task split (default: validation)")
+    parser.add_argument("--max-examples", type=int, help="evaluate on the first N task examples")
+    parser.add_argument("--no-loss", action="store_true", help="skip the validation loss")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from trainer.cli import EXIT_BAD_INPUT
+
+    checkpoint = Path(args.checkpoint)
+    if not checkpoint.is_dir():
+        print(f"error: --checkpoint: folder not found: {checkpoint}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.config is None:
+        args.config = str(checkpoint.parent / "config.yaml")
+    for flag, key in (
+        ("task", "task"),
+        ("task_data_dir", "task_data_dir"),
+        ("split", "task_split"),
+        ("max_examples", "task_max_examples"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            args.overrides.append(f"eval.{key}={value}")
+    cfg = load_config_from_args(args)
+    results = evaluate_checkpoint(cfg, checkpoint, with_loss=not args.no_loss)
+    (checkpoint / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+def evaluate_checkpoint(cfg, checkpoint: Path, with_loss: bool = True) -> dict:
+    from accelerate import Accelerator
+
+    from trainer.checkpoints import CheckpointInfo, read_state
+    from trainer.data import prepare_data
+    from trainer.evaluate import evaluate_generation, evaluate_loss, load_task
+    from trainer.loop import forward_loss, load_checkpoint_weights, model_source
+    from trainer.modeling import load_for_training
+
+    accelerator = Accelerator(mixed_precision=cfg.training.mixed_precision)
+    state = read_state(checkpoint) if (checkpoint / "trainer_state.json").is_file() else {"step": None}
+    info = CheckpointInfo(checkpoint, state.get("step") or 0, state)
+    loaded = load_for_training(model_source(cfg, info), accelerator.device)
+    model = accelerator.prepare(loaded.model)
+    load_checkpoint_weights(model, checkpoint, accelerator)
+    results: dict = {"checkpoint": str(checkpoint), "step": state.get("step")}
+    pad_id = loaded.tokenizer.pad_token_id or 0
+    if with_loss:
+        data = prepare_data(cfg.paths, cfg.data, loaded.tokenizer, loaded.family.packing)
+        if data.val:
+            results.update(evaluate_loss(model, data.val, cfg, accelerator, pad_id, forward_loss))
+    task, examples = load_task(cfg)
+    if task is not None:
+        generated = evaluate_generation(model, loaded.tokenizer, task, examples, cfg, accelerator)
+        results.update(
+            task=generated["task"],
+            metrics=generated["metrics"],
+            samples=generated["samples"],
+            examples=len(examples),
+        )
+    return results
