@@ -12,6 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from flask import Flask, jsonify, request
 from flask.json.provider import DefaultJSONProvider
@@ -19,6 +20,9 @@ from werkzeug.exceptions import HTTPException
 
 from .errors import DashboardError
 from .runs import RunRegistry, StallPolicy
+
+if TYPE_CHECKING:
+    from .plots import PlotCache
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,12 +55,13 @@ class DashboardState:
 
     registry: RunRegistry
     policy: StallPolicy
-    plot_cache: object
+    plot_cache: PlotCache
 
 
 def create_app(log_root: str | os.PathLike | None = None, test_config: dict | None = None) -> Flask:
     """Build the app for the run folders under ``log_root`` (default: $DASHBOARD_LOGDIR, else ./runs)."""
-    from . import api, auth, views
+    from . import api, auth, views  # here, so `python -m dashboard --help` stays quick
+    from .plots import PlotCache
 
     app = Flask(
         __name__,
@@ -81,7 +86,7 @@ def create_app(log_root: str | os.PathLike | None = None, test_config: dict | No
         startup_seconds=app.config["DASHBOARD_STARTUP_SECONDS"],
     )
     registry = RunRegistry(root, ttl=app.config["DASHBOARD_DISCOVERY_TTL"])
-    app.extensions["dashboard"] = DashboardState(registry, policy, api.PlotCache())
+    app.extensions["dashboard"] = DashboardState(registry, policy, PlotCache())
     app.config["DASHBOARD_LOG_ROOT"] = str(root)
 
     app.before_request(auth.require_token)

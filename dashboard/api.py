@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import threading
-from collections import OrderedDict
 
 from flask import Blueprint, Response, current_app, jsonify, make_response, request
 
@@ -144,30 +142,6 @@ def prometheus_metrics():
 
 
 # ---------------------------------------------------------------- plots
-
-
-class PlotCache:
-    """Rendered PNGs by (run, plot, options, versions of the logs it draws): new data, new PNG."""
-
-    def __init__(self, size: int = 64):
-        self.size = size
-        self._items: OrderedDict[tuple, bytes] = OrderedDict()
-        self._lock = threading.Lock()
-        self.renders = 0
-
-    def get_or_render(self, key: tuple, render) -> bytes:
-        with self._lock:
-            png = self._items.get(key)
-            if png is not None:
-                self._items.move_to_end(key)
-                return png
-        png = render()
-        with self._lock:
-            self.renders += 1
-            self._items[key] = png
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
-        return png
 
 
 def plot_options(name: str) -> PlotOptions:

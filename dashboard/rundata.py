@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainer import runlog
 
-from .columns import Columns, StepTable, as_float
+from .columns import Columns, StepTable, as_float, record_ts
 from .reader import LogTail, inside
 
 RECENT_INTERVALS = 64
@@ -62,7 +62,6 @@ class TrainLog(Store):
         self.table = StepTable()
         self.latest: dict | None = None
         self.recent_ts: deque[float] = deque(maxlen=RECENT_INTERVALS)
-        self.records_read = 0
         self.nonfinite_records = 0
         self.skipped_steps = 0
 
@@ -71,10 +70,8 @@ class TrainLog(Store):
         self.invalid += len(records) - len(kept)
         if kept:
             self.latest = kept[-1]
-            self.records_read += len(kept)
-            self.recent_ts.extend(
-                t for t in map(as_float, (r.get("ts") for r in kept[-RECENT_INTERVALS:])) if t == t
-            )
+            times = [record_ts(r) for r in kept[-RECENT_INTERVALS:]]
+            self.recent_ts.extend(t for t in times if t is not None)
             self.nonfinite_records += sum(1 for r in kept if r.get("nonfinite"))
             self.skipped_steps += sum(1 for r in kept if r.get("skipped") is True)
         self.version = next(_versions)
@@ -124,17 +121,22 @@ class GpuLog(Store):
         self.series: dict[str, Columns] = {}
         self.latest: dict[str, dict] = {}
 
-    def add(self, record: dict) -> bool:
-        device = record.get("device")
-        if not isinstance(device, str):
-            return False
-        key = f"{record.get('host') or ''}/{device}".lstrip("/")
-        columns = self.series.get(key)
-        if columns is None:
-            columns = self.series[key] = Columns(ignore=("step",))
-        columns.append(record)
-        self.latest[key] = record
-        return True
+    def ingest(self, records: list[dict]) -> None:
+        """Samples grouped by device, then appended column-wise (telemetry logs grow long too)."""
+        by_device: dict[str, list[dict]] = {}
+        for record in records:
+            device = record.get("device")
+            if isinstance(device, str):
+                by_device.setdefault(f"{record.get('host') or ''}/{device}".lstrip("/"), []).append(record)
+            else:
+                self.invalid += 1
+        for key, samples in by_device.items():
+            columns = self.series.get(key)
+            if columns is None:
+                columns = self.series[key] = Columns(ignore=("step",))
+            columns.extend(samples)
+            self.latest[key] = samples[-1]
+        self.version = next(_versions)
 
 
 class ExpertLog(Store):
