@@ -1,177 +1,20 @@
-"""``download``: against a local HTTP server that answers like the Hub (HF_ENDPOINT), and against a
-folder laid out as the Hub cache (HF_HOME, offline).
-
-The server speaks the endpoints huggingface_hub's snapshot_download uses: model info at a
-revision, the recursive tree listing, and HEAD/GET on resolve URLs with ETag and X-Repo-Commit
-headers and byte ranges (for resumed downloads).
+"""``download``: against a local HTTP server that answers like the Hub (tests/hub_server.py, through
+HF_ENDPOINT), and against a folder laid out as the Hub cache (HF_HOME, offline).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
-import socket
-import struct
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 import pytest
 
 from tests.helpers import REPO, trainer_env
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-REPO_ID = "tiny-org/tiny-model"
-
-
-def safetensors_bytes(tensors: dict[str, tuple[int, ...]], fill: int) -> bytes:
-    """A valid safetensors file of float32 tensors, built by hand (no torch import)."""
-    header, offset, payload = {}, 0, b""
-    for name, shape in tensors.items():
-        count = 1
-        for dim in shape:
-            count *= dim
-        data = struct.pack("<f", fill / 7.0) * count
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-        payload += data
-    header_bytes = json.dumps(header).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
-    return struct.pack("<Q", len(header_bytes)) + header_bytes + payload
-
-
-def tiny_repo(rows: int = 64) -> dict[str, bytes]:
-    """Config, a two-shard index, tokenizer: the layout of a real sharded model repository."""
-    shard1 = safetensors_bytes({"model.embed_tokens.weight": (64, 32)}, 1)
-    shard2 = safetensors_bytes({"lm_head.weight": (rows, 32), "model.norm.weight": (32,)}, 2)
-    index = {
-        "metadata": {"total_size": len(shard1) + len(shard2)},
-        "weight_map": {
-            "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
-            "lm_head.weight": "model-00002-of-00002.safetensors",
-            "model.norm.weight": "model-00002-of-00002.safetensors",
-        },
-    }
-    llama = REPO / "configs" / "tiny-llama"
-    return {
-        "config.json": (llama / "config.json").read_bytes(),
-        "model.safetensors.index.json": json.dumps(index).encode(),
-        "model-00001-of-00002.safetensors": shard1,
-        "model-00002-of-00002.safetensors": shard2,
-        "tokenizer.json": (llama / "tokenizer.json").read_bytes(),
-        "tokenizer_config.json": (llama / "tokenizer_config.json").read_bytes(),
-    }
-
-
-class FakeHub:
-    """A threaded HTTP server answering the Hub's model-info, tree and resolve endpoints for one repo."""
-
-    def __init__(self, files: dict[str, bytes], token: str | None = None, drop_once: set[str] = frozenset()):
-        self.files = files
-        self.token = token
-        self.drop_once = set(drop_once)  # files whose first GET breaks off 1000 bytes short
-        self.requests: list[tuple[str, str, dict]] = []
-        hub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_HEAD(self):
-                hub.handle(self, head=True)
-
-            def do_GET(self):
-                hub.handle(self, head=False)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-
-    def paths_requested(self, method: str) -> list[str]:
-        return [path for m, path, _ in self.requests if m == method]
-
-    def reply(self, handler, status: int, body: bytes = b"", headers: dict | None = None, head=False):
-        handler.send_response(status)
-        for key, value in (headers or {}).items():
-            handler.send_header(key, str(value))
-        handler.send_header("Content-Length", str(len(body)))
-        handler.end_headers()
-        if not head:
-            handler.wfile.write(body)
-
-    def not_found(self, handler, code: str, head: bool):
-        self.reply(handler, 404, b"{}", {"X-Error-Code": code, "X-Error-Message": code}, head)
-
-    def handle(self, handler, head: bool):
-        url = urlparse(handler.path)
-        path = unquote(url.path)
-        self.requests.append(
-            ("HEAD" if head else "GET", path, {k.lower(): v for k, v in handler.headers.items()})
-        )
-        if self.token and handler.headers.get("Authorization") != f"Bearer {self.token}":
-            return self.reply(handler, 401, b"{}", {"X-Error-Message": "Invalid credentials"}, head)
-        model_api = f"/api/models/{REPO_ID}"
-        if path == f"{model_api}/revision/main" or path == f"{model_api}/revision/{COMMIT}":
-            body = json.dumps(
-                {"id": REPO_ID, "sha": COMMIT, "siblings": [{"rfilename": f} for f in self.files]}
-            )
-            return self.reply(handler, 200, body.encode(), {"Content-Type": "application/json"}, head)
-        if path.startswith(f"{model_api}/revision/"):
-            return self.not_found(handler, "RevisionNotFound", head)
-        if path == f"{model_api}/tree/{COMMIT}":
-            listing = [
-                {"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
-                for name, data in self.files.items()
-            ]
-            return self.reply(
-                handler, 200, json.dumps(listing).encode(), {"Content-Type": "application/json"}, head
-            )
-        prefix = f"/{REPO_ID}/resolve/"
-        if path.startswith(prefix):
-            revision, _, name = path[len(prefix) :].partition("/")
-            if revision not in ("main", COMMIT) or name not in self.files:
-                return self.not_found(handler, "EntryNotFound", head)
-            data = self.files[name]
-            headers = {"ETag": f'"{hashlib.sha256(data).hexdigest()}"', "X-Repo-Commit": COMMIT}
-            ranged = handler.headers.get("Range", "")
-            if ranged.startswith("bytes=") and not head:
-                start = int(ranged[len("bytes=") :].split("-")[0])
-                headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-                return self.reply(handler, 206, data[start:], headers)
-            if head:
-                handler.send_response(200)
-                for key, value in headers.items():
-                    handler.send_header(key, value)
-                handler.send_header("Content-Length", str(len(data)))
-                handler.end_headers()
-                return None
-            if name in self.drop_once:
-                self.drop_once.discard(name)
-                handler.send_response(200)
-                for key, value in headers.items():
-                    handler.send_header(key, value)
-                handler.send_header("Content-Length", str(len(data)))
-                handler.end_headers()
-                handler.wfile.write(data[: len(data) - 1000])
-                handler.wfile.flush()
-                handler.close_connection = True
-                handler.connection.shutdown(socket.SHUT_RDWR)
-                return None
-            return self.reply(handler, 200, data, headers)
-        return self.not_found(handler, "RepoNotFound", head)
+from tests.hub_server import COMMIT, REPO_ID, FakeHub, tiny_repo
 
 
 def hub_env(tmp_path: Path, endpoint: str | None = None, **extra: str) -> dict:
@@ -348,3 +191,17 @@ def test_download_offline_without_cache_is_one_line(tmp_path):
     assert result.returncode == 2
     assert "not in the local cache" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_download_falls_back_to_the_cache_when_the_endpoint_is_unreachable(tmp_path):
+    import socket
+
+    snapshot = make_hub_cache(tmp_path / "hf-home", tiny_repo())
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    result = download(hub_env(tmp_path, f"http://127.0.0.1:{port}"), REPO_ID)
+    assert result.returncode == 0, result.stderr
+    assert f"cannot reach http://127.0.0.1:{port} (ConnectError); trying the local cache" in result.stderr
+    assert str(snapshot) in result.stdout and "verified: config.json" in result.stdout

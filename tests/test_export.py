@@ -270,3 +270,29 @@ def test_real_run_folder_exports_its_best_adapter_merged(tmp_path):
     card = (out / "README.md").read_text()
     assert f"best eval | eval_loss {best:.4f}" in card
     assert "seed 42" in card and "training records" in card
+
+
+def test_push_to_hub_uploads_the_export_and_refuses_offline(tmp_path, monkeypatch, capsys):
+    """--push-to-hub against the local Hub server (tests/hub_server.py): create the repo, commit every file."""
+    from huggingface_hub import constants
+
+    from tests.hub_server import FakeHub
+
+    checkpoint, _ = make_run(tmp_path, "tiny-llama")
+    monkeypatch.setenv("HF_TOKEN", "hf_push_test_token")
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    with FakeHub({}, token="hf_push_test_token") as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        out = tmp_path / "pushed"
+        args = ["export", str(checkpoint), "--out", str(out), "--push-to-hub", "me/tiny-adapter", "--private"]
+        assert cli(args) == 0
+    assert f"pushed to {hub.url}/me/tiny-adapter" in capsys.readouterr().out
+    assert hub.created == [{"name": "tiny-adapter", "organization": "me", "visibility": "private"}]
+    [commit] = hub.commits
+    assert commit["repo"] == "me/tiny-adapter"
+    assert commit["files"] == {p.name: p.read_bytes() for p in out.iterdir()}
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert cli(["export", str(checkpoint), "--out", str(tmp_path / "offline"), "--push-to-hub", "me/x"]) == 2
+    assert "HF_HUB_OFFLINE is set; the export is on disk" in capsys.readouterr().err
+    assert (tmp_path / "offline" / "adapter_model.safetensors").is_file()

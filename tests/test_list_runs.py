@@ -77,6 +77,24 @@ def build_root(root: Path) -> None:
             {"step": 40, "eval_loss": 3.2, "metrics": {"accuracy": 0.71}},
         ],
     )
+    glue = make_run(
+        root,
+        "glue-auto",
+        age=600,
+        status="finished",
+        step=20,
+        metric={
+            "metric_for_best": "auto",
+            "greater_is_better": None,
+        },  # the task's metric, as the trainer chose
+        evals=[
+            {"step": 10, "eval_loss": 0.9, "metrics": {"matthews_correlation": 0.30}},
+            {"step": 20, "eval_loss": 1.1, "metrics": {"matthews_correlation": 0.42}},
+        ],
+    )
+    log = runlog.RunLog(glue)
+    log.event("best_updated", step=20, metric="matthews_correlation", metric_value=0.42, path="x")
+    log.close()
     make_run(root, "crashed", age=30, status="running", step=7, pid=dead_pid())
     make_run(
         root,
@@ -94,12 +112,8 @@ def test_list_json_has_status_best_metric_size_and_age(tmp_path, capsys):
     build_root(tmp_path)
     assert cli(["list", "--root", str(tmp_path), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["name"] for r in rows] == [
-        "crashed",
-        "sweep/lr-1e-4",
-        "finished",
-        "failed",
-    ]  # most recent first
+    names = [r["name"] for r in rows]
+    assert names == ["crashed", "sweep/lr-1e-4", "glue-auto", "finished", "failed"]  # most recent first
     by_name = {r["name"]: r for r in rows}
     assert by_name["finished"]["status"] == "finished"
     assert by_name["finished"]["best"] == {"name": "eval_loss", "value": 1.9, "step": 50}
@@ -108,6 +122,7 @@ def test_list_json_has_status_best_metric_size_and_age(tmp_path, capsys):
     assert 7190 < by_name["finished"]["age_seconds"] < 7300
     assert by_name["sweep/lr-1e-4"]["status"] == "running"  # its process (this one) is alive
     assert by_name["sweep/lr-1e-4"]["best"] == {"name": "accuracy", "value": 0.71, "step": 40}
+    assert by_name["glue-auto"]["best"] == {"name": "matthews_correlation", "value": 0.42, "step": 20}
     assert by_name["crashed"]["status"] == "dead"  # run.json says running, but its process is gone
     assert by_name["failed"]["status"] == "failed" and by_name["failed"]["method"] == "qlora"
     assert by_name["failed"]["best"] is None
@@ -118,7 +133,9 @@ def test_list_table_and_limit(tmp_path, capsys):
     assert cli(["list", "--root", str(tmp_path), "--limit", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["RUN", "STATUS", "MODEL", "METHOD", "STEPS", "BEST", "SIZE", "UPDATED"]
-    assert len(lines) == 4
+    assert len(lines) == 4 and not any(line.startswith("finished") for line in lines)
+    assert cli(["list", "--root", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
     finished = next(line for line in lines if line.startswith("finished"))
     assert "100/100" in finished and "eval_loss 1.9 @50" in finished and "2h ago" in finished
     assert "KB" in finished
@@ -147,4 +164,4 @@ def test_list_runs_from_the_command_line_without_torch(tmp_path):
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    assert len(json.loads(result.stdout)) == 4
+    assert len(json.loads(result.stdout)) == 5

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer import runlog
+from trainer import runinfo, runlog
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -269,32 +269,6 @@ def save_adapter(source: Source, out: Path, cfg, dtype_name: str, base: str | No
     return {"dtype": ",".join(dtypes)}
 
 
-def best_eval(run_dir: Path | None, cfg) -> dict | None:
-    """The best evaluation of the run by its own metric, read from eval_log.jsonl."""
-    if run_dir is None:
-        return None
-    metric = cfg.eval.metric_for_best if cfg is not None else "eval_loss"
-    greater = cfg.eval.greater_is_better if cfg is not None else False
-    best = None
-    for record in runlog.last_per_step(
-        list(runlog.iter_records(run_dir / runlog.LOGS_DIR / runlog.EVAL_LOG))
-    ):
-        value = record.get(metric, (record.get("metrics") or {}).get(metric))
-        if not isinstance(value, (int, float)):
-            continue
-        if best is None or (value > best["value"] if greater else value < best["value"]):
-            best = {"metric": metric, "value": value, "step": record.get("step")}
-    return best
-
-
-def data_report(run_dir: Path | None) -> dict:
-    if run_dir is None:
-        return {}
-    events = runlog.iter_records(run_dir / runlog.LOGS_DIR / runlog.EVENTS_LOG)
-    reports = [e for e in events if e.get("event") == "data_report"]
-    return reports[-1] if reports else {}
-
-
 def model_card(source: Source, cfg, merged: bool, details: dict) -> str:
     run_cfg = source.config
     base_name = cfg.model.name_or_path
@@ -339,7 +313,7 @@ def model_card(source: Source, cfg, merged: bool, details: dict) -> str:
             if lora.target_parameters:
                 method_text += f", parameters {lora.target_parameters}"
         lines.append(f"| method | {method_text} |")
-        data = data_report(source.run_dir)
+        data = runinfo.data_report(source.run_dir) if source.run_dir else {}
         data_text = f"`{run_cfg.paths.train_file}`"
         if run_cfg.paths.val_file:
             data_text += f", validation `{run_cfg.paths.val_file}`"
@@ -359,9 +333,9 @@ def model_card(source: Source, cfg, merged: bool, details: dict) -> str:
             f"batch {batch} per process x {source.run_info.get('world_size', 1)}, lr {optimizer.learning_rate} "
             f"{optimizer.lr_scheduler}, seed {training.seed} |"
         )
-    best = best_eval(source.run_dir, run_cfg)
+    best = runinfo.best_metric(source.run_dir) if source.run_dir else None
     if best is not None:
-        lines.append(f"| best eval | {best['metric']} {best['value']:.4f} at step {best['step']} |")
+        lines.append(f"| best eval | {best['name']} {best['value']:.4f} at step {best['step']} |")
     if source.state.get("metric_value") is not None:
         lines.append(f"| this checkpoint | {source.state.get('metric')} {source.state['metric_value']:.4f} |")
     lines.append(f"| export | {'merged' if merged else 'adapter only'}, {details.get('dtype')} |")
