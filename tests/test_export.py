@@ -296,3 +296,32 @@ def test_push_to_hub_uploads_the_export_and_refuses_offline(tmp_path, monkeypatc
     assert cli(["export", str(checkpoint), "--out", str(tmp_path / "offline"), "--push-to-hub", "me/x"]) == 2
     assert "HF_HUB_OFFLINE is set; the export is on disk" in capsys.readouterr().err
     assert (tmp_path / "offline" / "adapter_model.safetensors").is_file()
+
+
+def test_full_fine_tune_checkpoint_exports_its_own_weights(tmp_path):
+    """method full: the checkpoint holds the whole model; export saves it (not the base) for transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.config import build_config
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(REPO / "configs" / "tiny-llama")
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "configs" / "tiny-llama")
+    run_dir = tmp_path / "run-full"
+    checkpoint = run_dir / "final-checkpoint-6"
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    model_cfg = {"name_or_path": str(REPO / "configs" / "tiny-llama"), "random_init": True}
+    cfg = build_config(deep_merge(TINY, {"training": {"method": "full"}, "model": model_cfg}))
+    (run_dir / runlog.CONFIG_YAML).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    reference = outputs(model, tokenizer)
+
+    out = tmp_path / "full"
+    assert cli(["export", str(run_dir), "--out", str(out), "--dtype", "fp32"]) == 0
+    exported, exported_tokenizer = load_plain(out)
+    got = outputs(exported, exported_tokenizer)
+    assert got["tokens"] == reference["tokens"]
+    torch.testing.assert_close(got["logits"], reference["logits"])
+    assert "full fine-tuned model" in (out / "README.md").read_text()

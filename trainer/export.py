@@ -209,7 +209,14 @@ def generation_config_for(model_config, tokenizer):
 def save_merged(source: Source, out: Path, cfg, dtype_name: str, max_shard_size: str) -> dict:
     from peft import PeftModel
 
-    base, family, dtype, published = load_base(cfg, dtype_name)
+    load_cfg = cfg
+    if source.kind == "full":  # the fine-tuned weights are the checkpoint itself
+        load_cfg = copy.deepcopy(cfg)
+        load_cfg.model.name_or_path = str(source.checkpoint)
+        load_cfg.model.random_init = False
+        load_cfg.model.revision = None
+        load_cfg.training.method = "full"
+    base, family, dtype, published = load_base(load_cfg, dtype_name)
     if source.kind == "adapter":
         model = PeftModel.from_pretrained(base, str(source.checkpoint), autocast_adapter_dtype=False)
         model = model.merge_and_unload(safe_merge=True)
