@@ -205,3 +205,15 @@ def test_download_falls_back_to_the_cache_when_the_endpoint_is_unreachable(tmp_p
     assert result.returncode == 0, result.stderr
     assert f"cannot reach http://127.0.0.1:{port} (ConnectError); trying the local cache" in result.stderr
     assert str(snapshot) in result.stdout and "verified: config.json" in result.stdout
+
+
+def test_download_bad_arguments_are_one_line(tmp_path, capsys):
+    from trainer.cli import main as cli
+
+    assert cli(["download", "./models/local-folder"]) == 2
+    assert "MODEL_ID: expected a repository id such as org/name" in capsys.readouterr().err
+    assert cli(["download", REPO_ID, "--keep-free", "lots"]) == 2
+    assert "--keep-free: expected a size such as 500MB or 2GB" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert cli(["download", REPO_ID, "--to", str(tmp_path / "file")]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err

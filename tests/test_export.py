@@ -154,14 +154,31 @@ def test_merged_export_generates_like_base_plus_adapter(tmp_path, model_dir):
 def test_qlora_run_merges_into_an_unquantized_base_and_says_so(tmp_path):
     checkpoint, reference = make_run(tmp_path, "tiny-llama", method_in_config="qlora")
     out = tmp_path / "merged"
-    assert cli(["export", str(checkpoint), "--out", str(out), "--merge", "--dtype", "fp32"]) == 0
+    args = [
+        "export",
+        str(checkpoint),
+        "--out",
+        str(out),
+        "--merge",
+        "--dtype",
+        "fp32",
+        "--max-shard-size",
+        "1MB",
+    ]
+    assert cli(args) == 0
 
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config
     from safetensors import safe_open
 
-    with safe_open(str(out / "model.safetensors"), "pt") as weights:
-        dtypes = {weights.get_slice(k).get_dtype() for k in weights.keys()}
+    shards = sorted(
+        set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].values())
+    )
+    assert len(shards) >= 2 and all((out / shard).stat().st_size <= 1_200_000 for shard in shards)
+    dtypes = set()
+    for shard in shards:
+        with safe_open(str(out / shard), "pt") as weights:
+            dtypes |= {weights.get_slice(k).get_dtype() for k in weights.keys()}
     assert dtypes == {"F32"}, dtypes
     model, tokenizer = load_plain(out)
     got = outputs(model, tokenizer)
@@ -232,6 +249,8 @@ def test_export_bad_input_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no weights in" in err and "--base" in err
     assert not (tmp_path / "o2").exists()
+    assert cli(["export", str(checkpoint), "--out", str(tmp_path / "o3"), "--max-shard-size", "big"]) == 2
+    assert "--max-shard-size: expected a size such as 500MB" in capsys.readouterr().err
 
 
 def test_real_run_folder_exports_its_best_adapter_merged(tmp_path):

@@ -206,7 +206,7 @@ def generation_config_for(model_config, tokenizer):
     return generation
 
 
-def save_merged(source: Source, out: Path, cfg, dtype_name: str, max_shard_size: str) -> dict:
+def save_merged(source: Source, out: Path, cfg, dtype_name: str, max_shard_size: int | str) -> dict:
     from peft import PeftModel
 
     load_cfg = cfg
@@ -381,7 +381,7 @@ def export(
     merge: bool = False,
     dtype: str = "auto",
     base: str | None = None,
-    max_shard_size: str = "5GB",
+    max_shard_size: int | str = "5GB",
 ) -> dict:
     """Write the export into ``out`` (created; must be empty) and return a summary."""
     source = read_source(checkpoint)

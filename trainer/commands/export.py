@@ -42,11 +42,17 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from trainer.cli import EXIT_BAD_INPUT
     from trainer.export import ExportError, export, push_to_hub
+    from trainer.hub import parse_size
 
+    try:
+        max_shard_size = parse_size(args.max_shard_size)
+    except ValueError as exc:
+        print(f"error: --max-shard-size: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     out = Path(args.out).expanduser()
     try:
         summary = export(
-            Path(args.checkpoint).expanduser(), out, args.merge, args.dtype, args.base, args.max_shard_size
+            Path(args.checkpoint).expanduser(), out, args.merge, args.dtype, args.base, max_shard_size
         )
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
