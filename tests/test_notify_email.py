@@ -194,3 +194,21 @@ def test_settings_errors_name_the_field_and_never_raise_from_send(tmp_path, monk
     with caplog.at_level(logging.WARNING):
         assert send_email_notification(str(tmp_path / "missing.yaml"), "finish", {}, 1) is False
     assert "email settings file not found" in caplog.text
+
+
+def test_run_notifier_delivers_email_through_this_module(tmp_path, smtp_server, monkeypatch):
+    """The training loop's Notifier (trainer/notify.py) with only notify.email_config set."""
+    from trainer.config import NotifyConfig
+    from trainer.notify import Notifier
+
+    monkeypatch.setenv("TEST_SMTP_PASSWORD", PASSWORD)
+    notifier = Notifier(
+        NotifyConfig(email_config=settings_file(tmp_path, smtp_server.port)), run_name="tiny-run"
+    )
+    try:
+        assert notifier.notify("start", {"total_steps": 12}) is True
+        assert notifier.notify("interrupt", {"step": 4, "total_steps": 12}) is True
+    finally:
+        notifier.close()
+    subjects = [m["message"]["Subject"] for m in smtp_server.messages]
+    assert subjects == ["[finetune-kit] tiny-run started", "[finetune-kit] tiny-run interrupted at step 4/12"]
