@@ -254,7 +254,13 @@ def flatten_eval(record: dict) -> dict[str, float]:
     }
     metrics = record.get("metrics")
     if isinstance(metrics, dict):
-        flat.update({f"metrics.{k}": as_float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
+        flat.update(
+            {
+                f"metrics.{k}": as_float(v)
+                for k, v in metrics.items()
+                if isinstance(v, (int, float, type(None)))
+            }
+        )
     return flat
 
 

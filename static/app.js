@@ -12,7 +12,9 @@ const state = {
     localStorage.getItem("dashboard.interval") || body.dataset.interval) || 5,
   versions: {},
   timer: null,
+  polls: 0,
 };
+const RUNS_EVERY = 6; // polls between refreshes of the run list (new runs, their status)
 const plotSources = JSON.parse(document.getElementById("plot-sources").textContent);
 
 function url(path, params = {}) {
@@ -35,6 +37,7 @@ async function getJSON(path, params) {
 
 function num(value, digits = 4) {
   if (value === null || value === undefined) return "-";
+  if (typeof value !== "number") return String(value); // records are shown as the trainer wrote them
   if (Number.isInteger(value)) return value.toLocaleString("en-US");
   return Number(value.toPrecision(digits)).toString();
 }
@@ -235,12 +238,16 @@ async function refreshSections(changed) {
 async function poll() {
   clearTimeout(state.timer);
   try {
-    if (!state.run) {
+    if (!state.run || state.polls % RUNS_EVERY === 0) {
       const runs = await getJSON("/api/runs");
       if (!runs.latest) return;
-      state.run = runs.latest;
-      document.getElementById("empty-root")?.remove();
+      if (!state.run) {
+        state.run = runs.latest;
+        document.getElementById("empty-root")?.remove();
+      }
+      renderRuns(runs);
     }
+    state.polls += 1;
     const stats = await getJSON("/api/stats");
     renderStats(stats);
     const changed = new Set(Object.keys(stats.versions).filter((k) => stats.versions[k] !== state.versions[k]));

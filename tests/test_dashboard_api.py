@@ -340,3 +340,56 @@ def test_empty_log_root(tmp_path: Path):
     assert "no runs" in get(client, "/api/stats", 404)["error"]
     assert b"No runs under" in client.get("/").data
     assert get(client, "/health") == {"status": "ok"}
+
+
+WEIRD = {
+    runlog.TRAINING_LOG: [
+        {"step": 1, "ts": "yesterday", "loss": "low", "lr": [1], "tokens": 10**400, "total_steps": "many"},
+        {"step": -5, "loss": 1.0},
+        {"step": 2.0, "loss": 1.0},
+        {"step": 3, "ts": None, "loss": None, "nonfinite": "loss", "epoch": True, "skipped": "yes"},
+        {"step": 4, "ts": 1e308, "loss": -1e308, "total_steps": 0},
+    ],
+    runlog.EVAL_LOG: [
+        {"step": 1, "eval_loss": "x", "metrics": [1, 2], "task": 7, "is_best": "yes"},
+        {"step": 2, "eval_loss": None, "metrics": {"acc": "high", "f1": None}},
+    ],
+    runlog.EVENTS_LOG: [
+        {"event": "checkpoint_saved", "step": "ten", "path": 42, "size_bytes": "big", "metric_value": "x"},
+        {"event": "checkpoint_pruned", "path": None},
+        {"event": "best_updated", "step": None, "path": ["a"]},
+        {"event": "resume", "step": "x"},
+        {"event": "run_end", "status": 3},
+        {"event": 5},
+    ],
+    runlog.ERROR_LOG: [{"type": "E", "step": "s", "ts": "t", "message": None, "traceback": 5}],
+    runlog.GPU_LOG: [
+        {"device": 0, "host": "h"},
+        {"device": "cuda:0", "host": None, "util_pct": "busy", "ts": "now"},
+    ],
+    runlog.EXPERT_LOG: [
+        {"step": 1, "layers": [1, 2]},
+        {"step": 2, "layers": [{"counts": ["a", -3, None, 1e400, 5]}], "num_experts": "many"},
+        {"step": 3, "start_step": "x", "layers": [{"layer": "first", "counts": []}, {"counts": [1, 2]}]},
+    ],
+}
+
+
+def test_weird_but_valid_records_never_500(tmp_path: Path):
+    run = tmp_path / "weird"
+    for name, records in WEIRD.items():
+        log = run / runlog.LOGS_DIR / name
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("".join(json.dumps(r) + "\n" for r in records) + "NaN\n[]\n")
+    (run / runlog.RUN_JSON).write_text('["not", "an", "object"]')
+    (run / "checkpoint-3").mkdir()
+    (run / "checkpoint-3" / runlog.TRAINER_STATE).write_text('{"ts": "soon", "metric_value": "x"}')
+    client = create_app(tmp_path).test_client()
+    urls = [*ENDPOINTS, "/api/runs", "/", "/api/experts?window=all", "/api/metrics?log=eval&field=metrics.f1"]
+    urls += [f"/api/plots/{name}.png?log=1" for name in ("loss", "lr", "gpu_util", "experts")]
+    urls += ["/api/plots/loss.png?smoothing=ma", "/api/plots/experts.png?window=all"]
+    for url in urls:
+        response = client.get(url)
+        assert response.status_code == 200, (url, response.get_data(as_text=True)[:300])
+    stats = client.get("/api/stats").get_json()
+    assert stats["step"] == 4 and stats["bad_lines"][runlog.TRAINING_LOG] == 4  # two bad steps, NaN, []

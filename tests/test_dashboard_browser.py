@@ -149,3 +149,26 @@ def test_readable_on_a_phone(browser, served):
         save(browser, "dashboard-phone.png")
     finally:
         browser.set_window_size(1280, 2400)
+
+
+def test_empty_root_page_fills_once_a_run_appears(browser, tmp_path: Path):
+    root = tmp_path / "runs"
+    root.mkdir()
+    server = make_server("127.0.0.1", 0, create_app(root), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        browser.get(f"http://127.0.0.1:{server.server_port}/?interval=0.5")
+        assert "No runs under" in browser.find_element(By.ID, "empty-root").text
+        append(
+            root / "fresh" / runlog.LOGS_DIR / runlog.TRAINING_LOG,
+            [train_record(s, time.time(), 1.0) for s in (1, 2, 3)],
+        )
+        wait(browser, lambda d: text_of(d, "step") == "3", message="the new run did not show up")
+        assert browser.find_elements(By.ID, "empty-root") == []
+        assert (
+            Select(browser.find_element(By.ID, "run-picker")).first_selected_option.get_attribute("value")
+            == "fresh"
+        )
+        wait(browser, plots_loaded)
+    finally:
+        server.shutdown()

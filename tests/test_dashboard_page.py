@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dashboard.__main__ import parse_args
 from dashboard.plots import PLOT_NAMES
 from tests.dashboard_fixtures import *  # noqa: F403
 from tests.dashboard_fixtures import DEMO, LAST_STEP
@@ -160,13 +161,12 @@ def test_launch_script_serves_the_dashboard(log_root: Path, server: str):
         assert "gunicorn" in output.lower()
 
 
-def test_launch_script_help_and_bad_port():
-    env = dict(os.environ, DASHBOARD_PYTHON=sys.executable)
-    result = subprocess.run(
-        [str(REPO / "launch_dashboard.sh"), "--help"], capture_output=True, text=True, env=env
-    )
-    assert result.returncode == 0 and "--logdir" in result.stdout and "--port" in result.stdout
-    bad = subprocess.run(
-        [str(REPO / "launch_dashboard.sh"), "--port", "99999"], capture_output=True, text=True, env=env
-    )
-    assert bad.returncode == 2 and "--port" in bad.stderr
+def test_launcher_arguments(capsys):
+    with pytest.raises(SystemExit) as bad:
+        parse_args(["--port", "99999"])
+    assert bad.value.code == 2 and "--port" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as shown:
+        parse_args(["--help"])
+    assert shown.value.code == 0 and "--logdir" in capsys.readouterr().out
+    args = parse_args(["--logdir", "elsewhere", "--server", "flask"])
+    assert (args.logdir, args.server, args.nice) == ("elsewhere", "flask", 10)
