@@ -253,6 +253,7 @@ def test_export_bad_input_is_one_line(tmp_path, capsys):
     assert "--max-shard-size: expected a size such as 500MB" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_real_run_folder_exports_its_best_adapter_merged(tmp_path):
     """A real training run, exported by its run folder: the best adapter, merged, equals base + adapter."""
     from peft import PeftModel
