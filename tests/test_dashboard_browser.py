@@ -171,4 +171,15 @@ def test_empty_root_page_fills_once_a_run_appears(browser, tmp_path: Path):
         )
         wait(browser, plots_loaded)
     finally:
+        browser.get("about:blank")  # stop the page polling before its server goes
         server.shutdown()
+
+
+@pytest.mark.parametrize("run", ["junk", "empty"])
+def test_odd_runs_render_without_script_errors(browser, served, run: str):
+    browser.get_log("browser")  # drop what earlier pages logged
+    browser.get(f"{served['url']}/?token={TOKEN}&run={run}&interval=30")
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1")
+    wait(browser, plots_loaded)
+    assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-error") in (None, "")
+    assert console_errors(browser) == []
