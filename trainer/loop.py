@@ -30,6 +30,15 @@ from trainer.data import IGNORE, Sequence, collate, epoch_order, prepare_data
 from trainer.evaluate import count_targets, evaluate_generation, evaluate_loss, load_task, resolve_metric
 from trainer.experts import ExpertCounter
 from trainer.modeling import load_for_training
+from trainer.oom import (
+    OomInjector,
+    OutOfMemoryAfterRetries,
+    StepShape,
+    free_memory,
+    is_oom,
+    shrink,
+    split_rows,
+)
 from trainer.telemetry import TelemetrySampler
 
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -118,10 +127,57 @@ def next_step_rows(
     return order[pos.row : pos.row + rows_per_step], Position(pos.epoch, pos.row + rows_per_step)
 
 
-def micro_batches(rows: list[int], data: list[Sequence], micro: int, world: int, rank: int, pad_id: int):
-    """This rank's micro-batches of one optimizer step: micro-batch k of rank r takes the k*world+r-th slice."""
-    slices = [rows[i : i + micro] for i in range(0, len(rows), micro)]
-    return [collate([data[j] for j in s], pad_id) for s in slices[rank::world]]
+def micro_batches(
+    rows: list[int], data: list[Sequence], shape: StepShape, world: int, rank: int, pad_id: int
+):
+    """This rank's micro-batches of one optimizer step: micro-batch k of rank r takes the k*world+r-th slice.
+
+    After an OOM at micro-batch 1, rows are split into shorter pieces, fed one piece per micro-batch."""
+    slices = [rows[i : i + shape.micro] for i in range(0, len(rows), shape.micro)]
+    mine = [[data[j] for j in s] for s in slices[rank::world]]
+    if shape.split_length is not None:
+        mine = [[piece] for group in mine for piece in split_rows(group, shape.split_length)]
+    return [collate(group, pad_id) for group in mine]
+
+
+def accumulate_gradients(model, batches: list[dict], accelerator, counter: ExpertCounter, aux_coef: float):
+    """Forward and backward over one optimizer step's micro-batches, loss normalised by all its target tokens."""
+    world = accelerator.num_processes
+    local_targets = torch.tensor(float(sum(count_targets(b) for b in batches)), device=accelerator.device)
+    global_targets = accelerator.reduce(local_targets, "sum").clamp(min=1.0)
+    ce_total = torch.zeros((), device=accelerator.device)
+    aux_total = torch.zeros((), device=accelerator.device)
+    input_tokens = sum(int(b["token_mask"].sum()) for b in batches)
+    aux = None
+    for k, batch in enumerate(batches):
+        sync = k == len(batches) - 1
+        with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+            counter.start_micro_batch(batch["token_mask"])
+            ce_sum, aux = forward_loss(model, batch, accelerator)
+            # DDP averages gradients over ranks, hence x world; dividing by all target tokens
+            # of the step makes every token count the same whatever micro-batch it sits in.
+            loss = ce_sum * world / global_targets
+            if aux is not None and aux_coef:
+                loss = loss + aux_coef * aux / len(batches)
+                aux_total += aux.detach() / len(batches)
+            accelerator.backward(loss)
+        ce_total += ce_sum.detach()
+    return global_targets, ce_total, aux_total, input_tokens, aux
+
+
+def oom_give_up(accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, shape, exc):
+    """Out of retries or of room to shrink: keep what was trained, then fail with a clear message."""
+    if step > 0 and accelerator.num_processes == 1:
+        save_and_retain(
+            accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, "oom", shape
+        )
+    raise OutOfMemoryAfterRetries(
+        f"out of memory at step {step + 1} with micro_batch_size={shape.micro}, "
+        f"gradient_accumulation_steps={shape.accum}, split length {shape.split_length or cfg.data.max_length}"
+        f"{'' if accelerator.num_processes == 1 else ' (the fallback runs in single-process training only)'}; "
+        f"checkpoint-{step} holds the last completed step. Lower training.micro_batch_size or data.max_length, "
+        "or enable memory.gradient_checkpointing"
+    ) from exc
 
 
 def forward_loss(model, batch: dict, accelerator):
@@ -245,6 +301,7 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
         world = accelerator.num_processes
         micro, accum = cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps
         rows_per_step = micro * accum * world
+        shape = StepShape(micro, accum)
         steps_per_epoch = len(data.train) // rows_per_step
         if steps_per_epoch == 0:
             raise ValueError(
@@ -259,8 +316,9 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
         accelerator.register_for_checkpointing(scheduler)
         skip_model_state(accelerator)
         counter = ExpertCounter(accelerator.unwrap_model(model))
+        injector = OomInjector()
         evaluator = Evaluator(
-            model, tokenizer, data.val, task, task_examples, cfg, accelerator, pad_id, counter, log
+            model, tokenizer, data.val, task, task_examples, cfg, accelerator, pad_id, counter, log, injector
         )
 
         pos, best, run_info = Position(), None, runlog.read_run_json(output_dir)
@@ -270,6 +328,9 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
             step = resume_from.state["step"]
             pos = Position(resume_from.state["epoch_index"], resume_from.state["rows_seen"])
             best = resume_from.state.get("best_metric")
+            saved_shape = resume_from.state.get("step_shape")
+            if saved_shape and saved_shape["micro"] * saved_shape["accum"] == micro * accum:
+                shape = StepShape(**saved_shape)
         if is_main:
             dump_config(cfg, output_dir / runlog.CONFIG_YAML)
         run_info = log.update_run(
@@ -326,27 +387,53 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
         while step < total_steps:
             t0 = time.time()
             rows, pos = next_step_rows(len(data.train), rows_per_step, cfg.training.seed, pos)
-            batches = micro_batches(rows, data.train, micro, world, accelerator.process_index, pad_id)
-            local_targets = torch.tensor(
-                float(sum(count_targets(b) for b in batches)), device=accelerator.device
-            )
-            global_targets = accelerator.reduce(local_targets, "sum").clamp(min=1.0)
-            ce_total = torch.zeros((), device=accelerator.device)
-            aux_total = torch.zeros((), device=accelerator.device)
-            input_tokens = sum(int(b["token_mask"].sum()) for b in batches)
-            for k, batch in enumerate(batches):
-                sync = k == len(batches) - 1
-                with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                    counter.start_micro_batch(batch["token_mask"])
-                    ce_sum, aux = forward_loss(model, batch, accelerator)
-                    # DDP averages gradients over ranks, hence x world; dividing by all target tokens
-                    # of the step makes every token count the same whatever micro-batch it sits in.
-                    loss = ce_sum * world / global_targets
-                    if aux is not None and aux_coef:
-                        loss = loss + aux_coef * aux / len(batches)
-                        aux_total += aux.detach() / len(batches)
-                    accelerator.backward(loss)
-                ce_total += ce_sum.detach()
+            for attempt in range(cfg.memory.max_oom_retries + 1):
+                try:
+                    injector.check("train", step + 1)
+                    batches = micro_batches(rows, data.train, shape, world, accelerator.process_index, pad_id)
+                    acc = accumulate_gradients(model, batches, accelerator, counter, aux_coef)
+                    break
+                except Exception as exc:
+                    optimizer.zero_grad(set_to_none=True)
+                    if not is_oom(exc):
+                        raise
+                    batches = None
+                    free_memory()
+                    smaller = shrink(shape, cfg.data.max_length)
+                    if (
+                        not cfg.memory.oom_fallback
+                        or world > 1
+                        or smaller is None
+                        or attempt == cfg.memory.max_oom_retries
+                    ):
+                        oom_give_up(
+                            accelerator,
+                            model,
+                            tokenizer,
+                            cfg,
+                            output_dir,
+                            log,
+                            step,
+                            pos,
+                            last_eval,
+                            best,
+                            shape,
+                            exc,
+                        )
+                    log.event(
+                        "oom_fallback",
+                        step=step + 1,
+                        old=shape.as_dict(),
+                        new=smaller.as_dict(),
+                        attempt=attempt + 1,
+                    )
+                    if is_main:
+                        print(
+                            f"out of memory at step {step + 1}: now {smaller.as_dict()} (same rows per step)",
+                            flush=True,
+                        )
+                    shape = smaller
+            global_targets, ce_total, aux_total, input_tokens, aux = acc
             step += 1
             step_loss = float(accelerator.reduce(ce_total, "sum") / global_targets)
             max_norm = cfg.optimization.max_grad_norm or float("inf")
@@ -431,6 +518,7 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
                     last_eval,
                     best,
                     "periodic",
+                    shape,
                 )
             if stop_requested(stop, accelerator):
                 signame = signal.Signals(stop.signum).name if stop.signum else "SIGTERM"
@@ -448,6 +536,7 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
                         last_eval,
                         best,
                         "signal",
+                        shape,
                     )
                 exit_code = EXIT_SIGNAL.get(stop.signum, 143)
                 break
@@ -455,7 +544,7 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
                 log.update_run(step=step)
         else:
             name = f"{runlog.FINAL_PREFIX}{step}"
-            state = trainer_state(step, pos, last_eval, best, cfg)
+            state = trainer_state(step, pos, last_eval, best, cfg, shape)
             path = ckpt.save_checkpoint(accelerator, model, tokenizer, output_dir, name, state)
             if is_main:
                 log.event(
@@ -550,6 +639,33 @@ class Evaluator:
     pad_id: int
     counter: ExpertCounter
     log: runlog.RunLog
+    injector: OomInjector
+
+    def loss_with_oom_fallback(self, step: int) -> dict | None:
+        """An OOM while evaluating halves the evaluation batch; at batch 1 the evaluation is skipped, never fatal."""
+        while True:
+            try:
+                self.injector.check("eval", step)
+                return evaluate_loss(
+                    self.model, self.val, self.cfg, self.accelerator, self.pad_id, forward_loss
+                )
+            except Exception as exc:
+                if not is_oom(exc) or self.accelerator.num_processes > 1:
+                    raise
+                free_memory()
+                old = self.cfg.eval.batch_size
+                if old == 1:
+                    self.log.event("eval_skipped", step=step, reason="out_of_memory")
+                    return None
+                new_eval = dataclasses.replace(self.cfg.eval, batch_size=old // 2)
+                self.cfg = dataclasses.replace(self.cfg, eval=new_eval)
+                self.log.event(
+                    "oom_fallback",
+                    step=step,
+                    phase="eval",
+                    old={"eval_batch_size": old},
+                    new={"eval_batch_size": old // 2},
+                )
 
     def run(self, step: int, best) -> dict | None:
         if not self.val and self.task is None:
@@ -557,9 +673,9 @@ class Evaluator:
         self.counter.stop()
         result = {}
         if self.val:
-            result = evaluate_loss(
-                self.model, self.val, self.cfg, self.accelerator, self.pad_id, forward_loss
-            )
+            result = self.loss_with_oom_fallback(step)
+            if result is None:
+                return None
         if self.task is not None:
             generated = evaluate_generation(
                 self.model, self.tokenizer, self.task, self.examples, self.cfg, self.accelerator
@@ -578,7 +694,7 @@ def tracker_eval_metrics(result: dict) -> dict:
     return metrics
 
 
-def trainer_state(step: int, pos: Position, last_eval, best, cfg: Config) -> dict:
+def trainer_state(step: int, pos: Position, last_eval, best, cfg: Config, shape: StepShape) -> dict:
     fresh = last_eval if last_eval and last_eval.get("step") == step else None
     return {
         "step": step,
@@ -587,11 +703,14 @@ def trainer_state(step: int, pos: Position, last_eval, best, cfg: Config) -> dic
         "metric": cfg.eval.metric_for_best,
         "metric_value": metric_value(fresh, cfg),
         "best_metric": best,
+        "step_shape": shape.as_dict(),  # an OOM fallback's smaller shape survives a resume
     }
 
 
-def save_and_retain(accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, kind):
-    state = trainer_state(step, pos, last_eval, best, cfg)
+def save_and_retain(
+    accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, kind, shape
+):
+    state = trainer_state(step, pos, last_eval, best, cfg, shape)
     is_better = best_is(state["metric_value"], best, cfg)
     if is_better:
         state["best_metric"] = state["metric_value"]
