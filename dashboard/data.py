@@ -33,6 +33,31 @@ def _last_ts(records: list[dict]) -> float | None:
     return record_ts(records[-1]) if records else None
 
 
+def newest(times, run_dir: Path) -> float | None:
+    """The latest of the given times; the logs' modification time when none is known."""
+    known = [t for t in times if t is not None]
+    return max(known) if known else files_mtime(run_dir)
+
+
+def headline(info: dict, latest: dict, status: str, reason: str) -> dict:
+    """What a run's stats and its line in /api/runs share: identity, status, position."""
+    step = latest.get("step") if latest else finite(info.get("step"))
+    total = finite(latest.get("total_steps")) or finite(info.get("total_steps"))
+    progress = min(1.0, step / total) if isinstance(step, int) and total else None
+    return {
+        "run_id": info.get("run_id"),
+        "status": status,
+        "status_reason": reason,
+        "model": info.get("model"),
+        "method": info.get("method"),
+        "step": step,
+        "total_steps": total,
+        "progress": 1.0 if progress is None and status == "finished" else progress,
+        "loss": finite(latest.get("loss")),
+        "started_at": finite(info.get("started_at")),
+    }
+
+
 # ---------------------------------------------------------------- status and stats
 
 
@@ -47,8 +72,7 @@ def last_activity(run: RunData) -> float | None:
         finite(run.run_json.get("updated_at")),
         finite(run.run_json.get("started_at")),
     ]
-    present = [t for t in times if t is not None]
-    return max(present) if present else files_mtime(run.path)
+    return newest(times, run.path)
 
 
 def run_status(run: RunData, policy: StallPolicy, now: float) -> tuple[str, str]:
@@ -115,11 +139,7 @@ def stats(run: RunData, policy: StallPolicy, now: float | None = None) -> dict:
         latest = run.train.latest or {}
         info = run.run_json
         status, reason = run_status(run, policy, now)
-        step = latest.get("step") if latest else finite(info.get("step"))
-        total = finite(latest.get("total_steps")) or finite(info.get("total_steps"))
-        progress = min(1.0, step / total) if step is not None and total else None
-        if status == "finished":
-            progress = 1.0 if progress is None else progress
+        head = headline(info, latest, status, reason)
         eta = (
             finite(latest.get("eta_seconds"))
             if status == "running"
@@ -130,18 +150,10 @@ def stats(run: RunData, policy: StallPolicy, now: float | None = None) -> dict:
         nonfinite = latest.get("nonfinite") if isinstance(latest.get("nonfinite"), list) else []
         return {
             "run": run.name,
-            "run_id": info.get("run_id"),
-            "status": status,
-            "status_reason": reason,
-            "model": info.get("model"),
-            "method": info.get("method"),
-            "step": step,
-            "total_steps": total,
-            "progress": progress,
+            **head,
             "epoch": finite(latest.get("epoch")),
-            "loss": finite(latest.get("loss")),
             "loss_nonfinite": "loss" in nonfinite,
-            "loss_smoothed": smoothed_loss(run, step),
+            "loss_smoothed": smoothed_loss(run, head["step"]),
             "best_eval": best_eval(run),
             "lr": finite(latest.get("lr")),
             "grad_norm": finite(latest.get("grad_norm")),
@@ -152,7 +164,6 @@ def stats(run: RunData, policy: StallPolicy, now: float | None = None) -> dict:
             "elapsed_seconds": _elapsed(run, status, now),
             "train_elapsed_seconds": finite(latest.get("elapsed")),
             "peak_mem_mb": finite(latest.get("peak_mem_mb")),
-            "started_at": finite(info.get("started_at")),
             "last_record_at": latest_ts,
             "last_record_age_seconds": (now - latest_ts) if latest_ts is not None else None,
             "last_checkpoint": last_ckpt,
@@ -182,24 +193,9 @@ def run_summary(name: str, path: Path, root: Path, policy: StallPolicy, now: flo
         finite(info.get("updated_at")),
         finite(info.get("started_at")),
     ]
-    activity = max((t for t in times if t is not None), default=None) or files_mtime(path)
+    activity = newest(times, path)
     status, reason = assess(info, events, errors, train_ts, activity, now, policy)
-    step = latest.get("step", finite(info.get("step")))
-    total = finite(latest.get("total_steps")) or finite(info.get("total_steps"))
-    return {
-        "name": name,
-        "run_id": info.get("run_id"),
-        "status": status,
-        "status_reason": reason,
-        "model": info.get("model"),
-        "method": info.get("method"),
-        "step": step,
-        "total_steps": total,
-        "progress": min(1.0, step / total) if isinstance(step, int) and total else None,
-        "loss": finite(latest.get("loss")),
-        "started_at": finite(info.get("started_at")),
-        "last_activity": activity,
-    }
+    return {"name": name, **headline(info, latest, status, reason), "last_activity": activity}
 
 
 def runs(registry: RunRegistry, policy: StallPolicy, now: float | None = None) -> dict:
