@@ -91,3 +91,19 @@ def test_check_config_round_trips(tmp_path):
     again = load_config(saved)
     assert again.training.max_steps == 7
     assert again.to_dict() == load_config(REPO / "training_config.yaml", ["training.max_steps=7"]).to_dict()
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("sweep"))
+)
+def test_shipped_profiles_validate(path):
+    cfg = load_config(path, [f"paths.train_file={REPO / 'data' / 'tiny_corpus.jsonl'}"])
+    assert cfg.training.max_steps > 0 or cfg.training.num_epochs > 0
+
+
+def test_readme_opens_with_the_two_commands():
+    lines = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("./")]
+    assert lines[0].startswith("./launch_training.sh") and lines[1].startswith("./run_tests.sh")
+    assert "./run_tests.sh" in (REPO / ".ci" / "run").read_text()
+    for script in ("launch_training.sh", "run_tests.sh", "launch_dashboard.sh", ".ci/run"):
+        assert (REPO / script).stat().st_mode & 0o111, f"{script} is not executable"
