@@ -17,6 +17,7 @@ VERBS = [
     "trainer.commands.train",
     "trainer.commands.check_config",
     "trainer.commands.evaluate",
+    "trainer.commands.plan",
     "trainer.commands.info",
     "trainer.commands.preprocess",
     "trainer.commands.report",
@@ -24,6 +25,8 @@ VERBS = [
     "trainer.commands.export",
     "trainer.commands.list_runs",
     "trainer.commands.prepare_corpus",
+    "trainer.commands.sweep",
+    "trainer.commands.aggregate",
 ]
 
 

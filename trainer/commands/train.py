@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from trainer.commands import add_config_arguments, load_config_from_args
+from trainer.commands.plan import add_plan_arguments
 
 
 def register(subparsers) -> None:
@@ -19,6 +20,10 @@ def register(subparsers) -> None:
     group.add_argument(
         "--resume_from", "--resume-from", metavar="PATH", help="resume from this checkpoint folder"
     )
+    parser.add_argument(
+        "--auto-plan", action="store_true", help="pick micro-batch/length by dry runs first (see plan)"
+    )
+    add_plan_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -31,6 +36,12 @@ def run(args) -> int:
     from trainer.loop import train
 
     resume = args.resume_from or ("latest" if args.resume else None)
+    if args.auto_plan:
+        from trainer.commands.plan import plan_and_record
+
+        config = plan_and_record(config, args)
+        if config is None:
+            return 1
     try:
         return train(config, resume=resume, config_source=args.config)
     except (CheckpointError, DataError, ModelLoadError) as exc:
