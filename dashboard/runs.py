@@ -161,6 +161,17 @@ def lifecycle(events: list[dict]) -> tuple[str | None, float | None]:
     return None, None
 
 
+def evaluation_under_way(events: list[dict]) -> bool:
+    """True when the last evaluation event is an ``eval_start`` with no ``eval_done``/``eval_skipped`` after it."""
+    for event in reversed(events):
+        kind = event.get("event")
+        if kind == "eval_start":
+            return True
+        if kind in ("eval_done", "eval_skipped", "run_start", "run_end"):
+            return False
+    return False
+
+
 def assess(
     run_json: dict,
     events: list[dict],
@@ -191,7 +202,12 @@ def assess(
         return "running", "no records yet"
     interval = typical_interval(train_ts)
     limit = max(policy.min_seconds, policy.factor * interval) if interval else policy.startup_seconds
+    evaluating = evaluation_under_way(events)
+    if evaluating:  # an evaluation writes no training records; give it the start-up allowance
+        limit = max(limit, policy.startup_seconds)
     quiet = now - last_activity
     if quiet > limit:
         return "stalled", f"no record for {quiet:.0f} s (limit {limit:.0f} s)"
+    if evaluating:
+        return "running", "evaluating"
     return "running", "records arriving" if interval else "starting: no training steps logged yet"

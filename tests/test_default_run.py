@@ -78,9 +78,11 @@ def test_run_json_and_events(default_run):
     for needed in (
         "data_report",
         "model_report",
+        "length_report",
         "checkpoint_saved",
         "checkpoint_pruned",
         "best_updated",
+        "eval_start",
         "eval_done",
     ):
         assert needed in events
@@ -116,3 +118,14 @@ def test_resolved_config_reproduces_the_run(default_run):
     cfg = load_config(run / runlog.CONFIG_YAML)
     assert cfg.paths.output_dir == str(run)
     assert cfg.training.max_steps == 240 and cfg.model.random_init is True
+
+
+def test_end_of_run_report_and_length_report(default_run):
+    run = default_run["path"]
+    assert (run / "report" / "index.html").is_file()
+    assert any((run / "report").glob("*.png"))
+    assert f"report: {run / 'report' / 'index.html'}" in default_run["stdout"]
+    assert "loss, steps 1-240" in default_run["stdout"]  # the ASCII curve
+    data_report = json.loads((run / "data_report.json").read_text())
+    assert data_report["max_length"] == 256 and data_report["lengths"]["count"] > 0
+    assert "lengths (tokens): median" in default_run["stdout"]

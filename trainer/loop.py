@@ -30,6 +30,7 @@ from trainer.data import IGNORE, Sequence, collate, epoch_order, prepare_data
 from trainer.evaluate import count_targets, evaluate_generation, evaluate_loss, load_task, resolve_metric
 from trainer.experts import ExpertCounter
 from trainer.modeling import load_for_training
+from trainer.notify import Notifier
 from trainer.oom import (
     OomInjector,
     OutOfMemoryAfterRetries,
@@ -360,6 +361,19 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
         log.event("data_report", step=step, **data.report.as_event())
         log.event("model_report", step=step, **loaded.report)
         announce(accelerator, cfg, loaded, data, total_steps, resume_from)
+        if is_main:
+            length_report(cfg, tokenizer, output_dir, log, step)
+        notifier = Notifier.from_config(cfg, run_name=output_dir.name, enabled=is_main)
+        notifier.notify(
+            "start",
+            {
+                "step": step,
+                "total_steps": total_steps,
+                "model": cfg.model.name_or_path,
+                "resumed": resume_from is not None,
+                "output_dir": str(output_dir),
+            },
+        )
         if cfg.logging.report_to:
             accelerator.init_trackers(output_dir.name, config=flat_config(cfg))
     except BaseException as exc:
@@ -451,6 +465,7 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             final_loss = step_loss
+            notifier.heartbeat(step)
 
             elapsed_step = time.time() - t0
             step_time_ema = (
@@ -567,6 +582,8 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
         telemetry.stop()
         stop.restore()
         record_failure(log, exc, step, accelerator)
+        notifier.notify("failure", {"step": step, "error": f"{type(exc).__name__}: {exc}"})
+        notifier.close()
         raise
     if progress is not None:
         progress.close()
@@ -579,7 +596,13 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
     if cfg.logging.report_to:
         accelerator.end_training()
     counter.remove()
+    notifier.notify(
+        "finish" if exit_code == 0 else "interrupt",
+        {"step": step, "total_steps": total_steps, "final_loss": final_loss, "best_metric": best},
+    )
+    notifier.close()
     if is_main:
+        end_of_run_report(output_dir)
         print_summary(output_dir, status, step, total_steps, final_loss, best, cfg)
     return exit_code
 
@@ -671,6 +694,7 @@ class Evaluator:
         if not self.val and self.task is None:
             return None
         self.counter.stop()
+        self.log.event("eval_start", step=step)
         result = {}
         if self.val:
             result = self.loss_with_oom_fallback(step)
@@ -761,6 +785,34 @@ def record_failure(log, exc: BaseException, step: int, accelerator) -> None:
         log.update_run(status=status, step=step, ended_at=round(time.time(), 3))
     log.event("run_end", step=step, status=status, error=type(exc).__name__)
     log.close()
+
+
+def length_report(cfg: Config, tokenizer, output_dir: Path, log, step: int) -> None:
+    """Token-length distribution of (a sample of) the training file, logged at the start of every run."""
+    from trainer.length_report import analyze, summary_line, write_data_report
+
+    report = analyze(cfg, tokenizer, max_records=2000)
+    write_data_report(report, output_dir)
+    print(summary_line(report), flush=True)
+    log.event(
+        "length_report",
+        step=step,
+        lengths=report["lengths"],
+        max_length=report["max_length"],
+        truncation_lost_fraction=report["truncation_lost_fraction"],
+        sampled=report["sampled"],
+    )
+
+
+def end_of_run_report(output_dir: Path) -> None:
+    """HTML + PNG report in the run folder and an ASCII loss curve on the terminal; never fails the run."""
+    from trainer.report import ReportError, ascii_loss_curve, write_report
+
+    try:
+        print(ascii_loss_curve(output_dir), flush=True)
+        print(f"report: {write_report(output_dir)}", flush=True)
+    except (ReportError, OSError, ValueError) as exc:
+        print(f"report: not written ({exc})", flush=True)
 
 
 def make_progress(enabled: bool, step: int, total: int):

@@ -12,8 +12,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 RUN_JSON = "run.json"
 CONFIG_YAML = "config.yaml"
@@ -36,8 +37,19 @@ STATUSES = ("running", "finished", "failed", "interrupted")
 # Fields each record type always carries (others are optional); docs/run-folder.md explains them.
 REQUIRED_FIELDS = {
     TRAINING_LOG: (
-        "ts", "step", "total_steps", "epoch", "loss", "lr", "grad_norm", "tokens",
-        "tokens_per_sec", "steps_per_sec", "eta_seconds", "elapsed", "peak_mem_mb",
+        "ts",
+        "step",
+        "total_steps",
+        "epoch",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens",
+        "tokens_per_sec",
+        "steps_per_sec",
+        "eta_seconds",
+        "elapsed",
+        "peak_mem_mb",
     ),
     EVAL_LOG: ("ts", "step", "eval_loss", "perplexity", "eval_tokens"),
     EXPERT_LOG: ("ts", "step", "start_step", "num_experts", "top_k", "layers"),
@@ -47,9 +59,21 @@ REQUIRED_FIELDS = {
 }
 
 EVENTS = (
-    "run_start", "resume", "checkpoint_saved", "checkpoint_pruned", "best_updated",
-    "eval_done", "step_skipped", "data_report", "model_report", "oom_fallback",
-    "signal", "run_end",
+    "run_start",
+    "resume",
+    "checkpoint_saved",
+    "checkpoint_pruned",
+    "best_updated",
+    "eval_start",
+    "eval_done",
+    "eval_skipped",
+    "step_skipped",
+    "data_report",
+    "model_report",
+    "length_report",
+    "oom_fallback",
+    "signal",
+    "run_end",
 )
 
 
@@ -160,6 +184,6 @@ def read_run_json(output_dir: str | os.PathLike) -> dict:
 def checkpoint_step(name: str) -> int | None:
     """Step number of a ``checkpoint-<step>`` or ``final-checkpoint-<step>`` folder name, else None."""
     for prefix in (FINAL_PREFIX, CHECKPOINT_PREFIX):
-        if name.startswith(prefix) and name[len(prefix):].isdigit():
-            return int(name[len(prefix):])
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            return int(name[len(prefix) :])
     return None
