@@ -1,0 +1,95 @@
+"""A real CUDA out-of-memory and the trainer's fallback, on a GPU.
+
+Trains the Llama-3.2-1B-shaped model with LoRA, no gradient checkpointing, 2048-token rows and a micro-batch far
+too large for the card (64 x 2048 tokens: the fp32 logits alone need ~64 GiB, and activations far more).
+The fallback halves the micro-batch and doubles accumulation until a step fits, re-running the same rows,
+then finishes; an OOM at the first evaluation halves the evaluation batch. Prints the oom_fallback events
+and the steps' losses and peaks.
+
+    python bench/oom_demo_gpu.py --out /tmp/oom-demo [--micro 64] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from bench_core_gpu import LLAMA_1B, model_dir  # noqa: E402
+
+from trainer.runlog import iter_records  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="/tmp/oom-demo")
+    parser.add_argument("--micro", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    root = Path(args.out)
+    root.mkdir(parents=True, exist_ok=True)
+    model = model_dir(root / "models", "llama-1b", LLAMA_1B)
+    run = root / "run"
+    cfg = {
+        "paths": {"output_dir": str(run), "train_file": str(REPO / "data" / "tiny_corpus.jsonl")},
+        "model": {"name_or_path": str(model), "random_init": True},
+        "training": {
+            "method": "lora",
+            "max_steps": args.steps,
+            "micro_batch_size": args.micro,
+            "gradient_accumulation_steps": 1,
+            "mixed_precision": "bf16",
+            "save_steps": 10_000,
+        },
+        "lora": {
+            "r": 16,
+            "alpha": 32,
+            "dropout": 0.0,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        },
+        "data": {"max_length": 2048, "val_fraction": 0.05},
+        "eval": {"interval": 2, "batch_size": 256, "max_batches": 1},
+        "memory": {"gradient_checkpointing": False, "max_oom_retries": 8},
+        "logging": {"progress_bar": False},
+    }
+    config = root / "oom.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer", "train", "--config", str(config)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    print(f"exit code {result.returncode}")
+    if result.returncode != 0:
+        print(result.stderr[-3000:])
+    events = [
+        e
+        for e in iter_records(run / "logs" / "events.jsonl")
+        if e["event"] in ("oom_fallback", "eval_skipped")
+    ]
+    for event in events:
+        print(json.dumps({k: event.get(k) for k in ("event", "step", "phase", "old", "new", "attempt")}))
+    for record in iter_records(run / "logs" / "training_log.jsonl"):
+        print(
+            f"step {record['step']}: loss {record['loss']:.4f}, tokens {record['tokens']}, "
+            f"peak {record['peak_mem_mb'] / 1024:.1f} GiB"
+        )
+    summary = {
+        "returncode": result.returncode,
+        "events": events,
+        "steps": list(iter_records(run / "logs" / "training_log.jsonl")),
+    }
+    (root / "oom_demo.json").write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
