@@ -30,7 +30,9 @@ def default_run(tmp_path_factory):
     """The shipped training_config.yaml, run once, unchanged but for the output folder."""
     out = tmp_path_factory.mktemp("default") / "runs" / "default"
     started = time.time()
-    result = run_trainer("train", "--config", "training_config.yaml", "--set", f"paths.output_dir={out}")
+    result = run_trainer(
+        "train", "--config", "training_config.yaml", "--set", f"paths.output_dir={out}", timeout=2400
+    )
     wall = time.time() - started
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {"path": out, "stdout": result.stdout, "stderr": result.stderr, "wall": wall}

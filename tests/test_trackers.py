@@ -42,6 +42,9 @@ def test_tensorboard_gets_the_same_numbers_and_jsonl_stays_complete(write_config
     assert events[0] == "run_start" and events[-1] == "run_end"
     assert runlog.read_run_json(run)["status"] == "finished"
 
+    # Tracker files live in the run folder's trackers/ (documented in docs/run-folder.md).
+    assert list((run / "trackers").rglob("events.out.tfevents.*"))
+
     # TensorBoard holds the same values (stored as float32).
     tb = scalars(run)
     assert [s for s, _ in tb["train/loss"]] == [r["step"] for r in train]

@@ -54,7 +54,9 @@ def make_accelerator(cfg: Config):
 
     kwargs = {}
     if cfg.logging.report_to:
-        kwargs.update(log_with=cfg.logging.report_to, project_dir=cfg.paths.output_dir)
+        kwargs.update(
+            log_with=cfg.logging.report_to, project_dir=str(Path(cfg.paths.output_dir) / "trackers")
+        )
     return Accelerator(
         mixed_precision=cfg.training.mixed_precision,
         dataloader_config=DataLoaderConfiguration(non_blocking=cfg.performance.pin_memory),
@@ -582,6 +584,8 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
         telemetry.stop()
         stop.restore()
         record_failure(log, exc, step, accelerator)
+        if cfg.logging.report_to:
+            accelerator.end_training()  # closes W&B / MLflow runs as failed rather than leaving them open
         notifier.notify("failure", {"step": step, "error": f"{type(exc).__name__}: {exc}"})
         notifier.close()
         raise
