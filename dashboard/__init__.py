@@ -2,7 +2,8 @@
 
 ``create_app(log_root)`` is the Flask app factory: gunicorn serves ``dashboard:create_app()``
 (log root from ``DASHBOARD_LOGDIR``), tests call it with a temporary folder.
-Imports nothing from the training stack: only Flask, matplotlib and ``trainer.runlog``.
+Imports nothing from the training stack: only Flask, matplotlib, ``trainer.runlog`` and (for the
+runs overview) ``trainer.aggregate``, which is standard library only.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class DashboardState:
 
 def create_app(log_root: str | os.PathLike | None = None, test_config: dict | None = None) -> Flask:
     """Build the app for the run folders under ``log_root`` (default: $DASHBOARD_LOGDIR, else ./runs)."""
-    from . import api, auth, views  # here, so `python -m dashboard --help` stays quick
+    from . import api, auth, overview, views  # here, so `python -m dashboard --help` stays quick
     from .plots import PlotCache
 
     app = Flask(
@@ -93,6 +94,7 @@ def create_app(log_root: str | os.PathLike | None = None, test_config: dict | No
     app.after_request(auth.harden)
     app.register_blueprint(api.bp)
     app.register_blueprint(views.bp)
+    app.register_blueprint(overview.bp)
     register_error_handlers(app)
     return app
 

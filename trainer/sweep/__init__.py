@@ -1,0 +1,9 @@
+"""Experiment sweeps: a grid of trainer jobs spread over GPU slots, safe to start again.
+
+- ``spec``: the sweep file (base configs × datasets × override grid × seeds) into named jobs.
+- ``locks``: one lock file per job (PID, host, start time), stale ones taken over.
+- ``status``: what a job folder says (finished? progress?), ``sweep.json`` and the terminal table.
+- ``runner``: starts jobs as GPU slots free, retries failures, stops cleanly on a signal.
+
+Standard library plus yaml; the jobs themselves import torch, the sweep never does.
+"""
