@@ -71,25 +71,36 @@ def load_hf_config(cfg: Config):
     name = cfg.model.name_or_path
     if is_local(name):
         check_local_folder(Path(name).expanduser(), cfg.model.random_init)
-    _import_family_registrations()
-    try:
+
+    def read():
         return AutoConfig.from_pretrained(
             name,
             revision=cfg.model.revision,
             trust_remote_code=cfg.model.trust_remote_code,
             cache_dir=cfg.paths.cache_dir,
         )
+
+    try:
+        try:
+            return read()
+        except ValueError:
+            # An unknown model_type may be one a family registers on import (fla's gla); importing fla
+            # costs seconds, so only then.
+            if not _import_family_registrations():
+                raise
+            return read()
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"model.name_or_path: cannot load config for '{name}': {first_line}") from exc
 
 
-def _import_family_registrations() -> None:
+def _import_family_registrations() -> bool:
     """Some families register their model_type with the Auto classes on import (fla's gla)."""
     try:
         import fla  # noqa: F401
     except Exception:  # noqa: BLE001 - optional dependency, absent or broken: causal models still load
-        pass
+        return False
+    return True
 
 
 def load_tokenizer(cfg: Config):

@@ -64,8 +64,9 @@ def naive_gla(
 ):
     """Stands in for fla's chunk_gla / fused_chunk_gla / fused_recurrent_gla (same arguments).
 
-    fla's reference handles one batch of equal-length rows; varlen input (``cu_seqlens``, batch 1)
-    runs it once per sequence so no state crosses a boundary.
+    fla's reference takes a batch of equal-length rows; varlen input (``cu_seqlens``, batch 1) is
+    split at the boundaries and right-padded into such a batch, so no state crosses a boundary. The
+    padding (zero keys and values, zero log-decay) leaves each sequence's final state as it was.
     """
     from fla.ops.gla.naive import naive_recurrent_gla
 
@@ -78,15 +79,16 @@ def naive_gla(
         o, state = naive_recurrent_gla(q, k, v, gate, initial_state, output_final_state)
     else:
         bounds = cu_seqlens.tolist()
-        outs, states = [], []
-        for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-            init = initial_state[i : i + 1] if initial_state is not None else None
-            piece = (t[:, start:end] for t in (q, k, v, gate))
-            o_i, s_i = naive_recurrent_gla(*piece, init, output_final_state)
-            outs.append(o_i)
-            states.append(s_i)
-        o = torch.cat(outs, dim=1)
-        state = torch.cat(states) if output_final_state else None
+        spans = list(zip(bounds[:-1], bounds[1:]))
+        width = max(end - start for start, end in spans)
+
+        def rows(t):
+            return torch.stack([F.pad(t[0, a:b], (0, 0, 0, 0, 0, width - (b - a))) for a, b in spans])
+
+        o_rows, state = naive_recurrent_gla(
+            *(rows(t) for t in (q, k, v, gate)), initial_state, output_final_state
+        )
+        o = torch.cat([o_rows[i, : b - a] for i, (a, b) in enumerate(spans)])[None]
     if state is not None and state_v_first:
         state = state.transpose(-1, -2)
     return o, state
@@ -142,6 +144,8 @@ def _swap_to_torch(model, hidden_act: str) -> list[str]:
                 if hidden_act not in TORCH_ACTIVATIONS:
                     unsupported.append(f"{name} (gate activation {hidden_act})")
                 module.gate_fn = TORCH_ACTIVATIONS.get(hidden_act, module.gate_fn)
+        elif cls.__name__ == "SwiGLULinear":
+            continue  # parameterless helper that only the (swapped) GatedMLP's fused forward called
         elif cls.__module__.startswith("fla.") and cls.__module__ != "fla.models.gla.modeling_gla":
             unsupported.append(f"{name} ({cls.__name__})")
     return unsupported

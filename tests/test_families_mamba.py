@@ -1,0 +1,310 @@
+"""Mamba-1 and Mamba-2 (transformers) on a CPU: training through the CLI, exact resume, packing off
+with padded rows that do not leak, LoRA variants, QLoRA with dt_proj kept unquantized, kernel-path
+selection, and the Mamba-2 SSD-as-simple-GLA mapping behind the fla Triton fast path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.families_fixtures import (
+    VARIANTS,
+    assert_resumed_exactly,
+    check_variant_trains,
+    cli,
+    error_line,
+    events,
+    family_config,
+    lora_gradients,
+    small_corpus,
+    train_in_process,
+    train_killed_and_resumed,
+    train_steps,
+)
+from tests.helpers import REPO
+from trainer.config import load_config
+from trainer.data import Sequence, collate
+
+MODELS = {
+    "tiny-mamba2": {"model_type": "mamba2", "kernel": "torch-reference", "targets": ["in_proj", "lm_head"]},
+    "tiny-mamba": {"model_type": "mamba", "kernel": "mambapy", "targets": ["in_proj", "x_proj", "lm_head"]},
+}
+
+
+@pytest.mark.parametrize("model, init", [("tiny-mamba2", "pissa"), ("tiny-mamba", "default")])
+def test_mamba_trains_through_the_cli_and_resumes_exactly(tmp_path, capsys, model, init):
+    """Mamba-2 with PiSSA (its residual base weights are rebuilt identically on resume), Mamba-1 on mambapy."""
+    spec = MODELS[model]
+    extra = {"lora": {"init": init}}
+    # Reference and resume run the CLI in this process; the run that is killed is a real subprocess.
+    reference = train_in_process(family_config(tmp_path, model, spec["targets"], extra, output="reference"))
+    assert reference[8] < reference[1] - 0.05  # it learns
+    report = events(tmp_path / "reference", "model_report")[0]
+    assert report["kernel_path"] == spec["kernel"]
+    assert events(tmp_path / "reference", "data_report")[0]["packing"] is False
+
+    run = tmp_path / "run"
+    stdout = train_killed_and_resumed(family_config(tmp_path, model, spec["targets"], extra), run, capsys)
+    assert f"kernels: mamba/{spec['model_type']} runs on {spec['kernel']}" in stdout
+    assert_resumed_exactly(run, reference)
+    info = json.loads((run / "run.json").read_text())
+    assert info["family"] == "mamba" and info["model_type"] == spec["model_type"]
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def mamba_model(request, tmp_path_factory):
+    from trainer.modeling import load_for_training
+
+    folder = tmp_path_factory.mktemp(request.param)
+    cfg = load_config(family_config(folder, request.param, ["in_proj"], {"training": {"method": "full"}}))
+    loaded = load_for_training(cfg, torch.device("cpu"))
+    return loaded.model.eval(), loaded.tokenizer, cfg
+
+
+def test_mamba_rows_hold_one_document_and_padding_does_not_leak(mamba_model):
+    from trainer.data import prepare_data
+    from trainer.families import family_for, family_inputs
+
+    model, tokenizer, cfg = mamba_model
+    family = family_for(model.config.model_type)
+    assert family.packing is False
+    data = prepare_data(cfg.paths, cfg.data, tokenizer, family.packing)
+    assert data.report.packing is False
+    bos = tokenizer.bos_token_id
+    for row in data.train[:50]:  # one document or one chunk of one: never a second start
+        assert row.position_ids == list(range(len(row.input_ids)))
+        assert bos not in row.input_ids[1:]
+
+    gen = torch.Generator().manual_seed(0)
+    doc_a, other_a = (torch.randint(4, 1000, (40,), generator=gen).tolist() for _ in range(2))
+    doc_b = torch.randint(4, 1000, (23,), generator=gen).tolist()
+
+    def logits_of_b(a):
+        batch = collate([Sequence(a, a, list(range(40))), Sequence(doc_b, doc_b, list(range(23)))], 0)
+        inputs = family_inputs(model, batch)
+        assert set(inputs) == {"input_ids", "attention_mask"}  # no position_ids: Mamba ignores them
+        with torch.no_grad():
+            return model(**inputs).logits[1, :23]
+
+    with torch.no_grad():
+        alone = model(input_ids=torch.tensor([doc_b])).logits[0]
+        packed = model(input_ids=torch.tensor([doc_a + doc_b])).logits[0, 40:]
+    torch.testing.assert_close(logits_of_b(doc_a), alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits_of_b(other_a), alone, rtol=0, atol=1e-5)
+    # Why packing is off: concatenated, B's logits depend on A.
+    assert (packed - alone).abs().max() > 1e-3
+
+
+def naive_simple_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens):
+    """fla's pure-PyTorch simple-GLA reference behind chunk_simple_gla's arguments (CPU stand-in)."""
+    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+
+    assert cu_seqlens is None
+    if initial_state is not None and state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
+    o, state = naive_recurrent_simple_gla(
+        q, k, v, g, scale=scale, initial_state=initial_state, output_final_state=output_final_state
+    )
+    if state is not None and state_v_first:
+        state = state.transpose(-1, -2)
+    return o, state
+
+
+@pytest.mark.parametrize("with_state, dt_limit", [(False, (0.0, float("inf"))), (True, (0.01, 0.5))])
+def test_mamba2_ssd_as_simple_gla_matches_transformers_reference(with_state, dt_limit):
+    """The maths of the fla-triton-ssd fast path, checked with fla's reference op in place of its kernel."""
+    pytest.importorskip("fla.ops.simple_gla.naive")
+    from transformers.models.mamba2 import modeling_mamba2
+
+    from trainer.families.mamba import fla_ssd_scan
+
+    gen = torch.Generator().manual_seed(0)
+    b, t, h, p, g, n = 2, 40, 4, 8, 2, 16
+    x, dt = torch.randn(b, t, h, p, generator=gen), torch.randn(b, t, h, generator=gen)
+    A, D, dt_bias = (
+        -torch.rand(h, generator=gen) * 2,
+        torch.randn(h, generator=gen),
+        torch.randn(h, generator=gen),
+    )
+    B, C = torch.randn(b, t, g, n, generator=gen), torch.randn(b, t, g, n, generator=gen)
+    state = torch.randn(b, h, p, n, generator=gen) if with_state else None
+    args = dict(D=D, dt_bias=dt_bias, initial_states=state, dt_softplus=True, dt_limit=dt_limit)
+    expected, expected_state = modeling_mamba2.mamba2_chunk_scan(
+        x, dt, A, B, C, chunk_size=16, return_final_states=True, **args
+    )
+    out, out_state = fla_ssd_scan(
+        x, dt, A, B, C, chunk_size=16, return_final_states=True, op=naive_simple_gla, **args
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out_state, expected_state, rtol=1e-5, atol=1e-4)
+    assert fla_ssd_scan(x, dt, A, B, C, chunk_size=16, op=naive_simple_gla, **args).shape == x.shape
+
+
+@pytest.mark.parametrize("variant, init", VARIANTS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_mamba_lora_variants_train(tmp_path, model, variant, init):
+    loaded = check_variant_trains(tmp_path, model, MODELS[model]["targets"], variant, init)
+    adapted = {n.split(".")[-4] for n, p in loaded.model.named_parameters() if "lora_A" in n}
+    assert adapted == set(MODELS[model]["targets"])
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_mamba_qlora_keeps_directly_read_weights_unquantized_and_gradients_right(tmp_path, model):
+    import bitsandbytes as bnb
+
+    from trainer.modeling import load_for_training
+
+    targets = MODELS[model]["targets"][:-1]
+    extra = {"training": {"method": "qlora"}, "lora": {"dropout": 0.0}}
+    peft_model = load_for_training(
+        load_config(family_config(tmp_path, model, targets, extra)), torch.device("cpu")
+    ).model
+    kinds = {}
+    for name, module in peft_model.named_modules():
+        if isinstance(module, torch.nn.Linear) and "lora_" not in name:
+            short = name.removesuffix(".base_layer").split(".")[-1]
+            kinds.setdefault(short, set()).add(isinstance(module, bnb.nn.Linear4bit))
+    if model == "tiny-mamba":
+        # the reference scan computes dt_proj.weight @ x itself: a 4-bit dt_proj would break it
+        assert kinds == {
+            "in_proj": {True},
+            "x_proj": {True},
+            "dt_proj": {False},
+            "out_proj": {True},
+            "lm_head": {False},
+        }
+    else:
+        assert kinds == {"in_proj": {True}, "out_proj": {True}, "lm_head": {False}}
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    rows = [Sequence(list(range(4, 40)), list(range(4, 40)), list(range(36))) for _ in range(2)]
+    batch = collate(rows, 0)
+    before = lora_gradients(peft_model, batch)
+    with torch.no_grad():
+        peft_model(
+            input_ids=batch["input_ids"][:, :16]
+        )  # an evaluation-style pass first (platform notes' trap)
+    after = lora_gradients(peft_model, batch)
+    assert before.keys() == after.keys() and len(before) == 2 * 2 * len(targets)
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=1e-5, atol=1e-7)
+    assert all(g.abs().sum() > 0 for g in before.values())
+    seen = train_steps(peft_model, batch)
+    assert seen[-1] < seen[0] - 0.01, seen
+
+
+def test_mamba_out_proj_target_is_exit_2_before_loading(tmp_path, capsys, monkeypatch):
+    from trainer import modeling
+
+    monkeypatch.setattr(modeling, "load_base_model", lambda *a, **k: pytest.fail("weights loaded first"))
+    config = family_config(tmp_path, "tiny-mamba2", ["in_proj", "out_proj"])
+    assert cli("train", "--config", str(config)) == 2
+    assert error_line(capsys.readouterr().err).startswith(
+        "error: lora.target_modules: out_proj cannot take LoRA in Mamba models"
+    )
+
+
+@pytest.mark.parametrize(
+    "model, extra, message",
+    [
+        (
+            "tiny-mamba2",
+            {"lora": {"target_modules": ["conv1d"]}},
+            "lora.target_modules: conv1d cannot take LoRA",
+        ),
+        ("tiny-mamba", {"lora": {"target_modules": ["in_proj", "dt_proj"]}}, "dt_proj would get no gradient"),
+        ("tiny-mamba2", {"lora": {"target_modules": "all-linear"}}, "all-linear would include out_proj"),
+        (
+            "tiny-mamba",
+            {"training": {"method": "qlora"}, "lora": {"init": "pissa_niter_4"}},
+            "lora.init: pissa_niter_4",
+        ),
+    ],
+)
+def test_mamba_lora_settings_it_cannot_train_are_refused_before_loading(
+    tmp_path, monkeypatch, model, extra, message
+):
+    from trainer import modeling
+    from trainer.families import ModelLoadError
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the LoRA settings were checked")
+
+    monkeypatch.setattr(modeling, "load_base_model", no_loading)
+    cfg = load_config(family_config(tmp_path, model, MODELS[model]["targets"], extra))
+    with pytest.raises(ModelLoadError, match=message):
+        modeling.load_for_training(cfg, torch.device("cpu"))
+
+
+def test_kernel_path_follows_what_is_installed(monkeypatch, capsys):
+    from transformers import Mamba2Config, MambaConfig
+
+    from trainer.families import ModelLoadError, mamba
+
+    mamba1, mamba2 = MambaConfig(), Mamba2Config()
+    installed = {"mambapy"}
+    monkeypatch.setattr(mamba, "_installed", lambda name: name in installed)
+    monkeypatch.setattr(mamba, "_fla_usable", lambda: True)
+    assert (mamba.kernel_path(mamba1), mamba.kernel_path(mamba2)) == ("mambapy", "torch-reference")
+    assert (
+        mamba.quantization_skip(mamba1, None) == ("dt_proj",) and mamba.quantization_skip(mamba2, None) == ()
+    )
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert (mamba.kernel_path(mamba1), mamba.kernel_path(mamba2)) == ("mambapy", "fla-triton-ssd")
+    mamba.configure(mamba1, None)
+    assert "WARNING: mamba is training on a GPU WITHOUT fast kernels (mambapy)" in capsys.readouterr().err
+    mamba.configure(mamba2, None)
+    assert capsys.readouterr().err == ""  # fla's Triton path is a fast one
+
+    installed |= {"mamba_ssm", "causal_conv1d"}
+    assert (mamba.kernel_path(mamba1), mamba.kernel_path(mamba2)) == ("mamba_ssm", "mamba_ssm")
+    assert mamba.quantization_skip(mamba1, None) == ("dt_proj", "x_proj", "out_proj")
+    assert mamba.quantization_skip(mamba2, None) == ("out_proj",)
+    with pytest.raises(ModelLoadError, match="x_proj would get no gradient"):
+        mamba.check_lora(None, mamba1, ["in_proj", "x_proj"])
+    mamba.check_lora(None, mamba2, ["in_proj", "x_proj"])
+
+    installed.clear()
+    monkeypatch.setattr(mamba, "_fla_usable", lambda: False)
+    assert mamba.kernel_path(mamba2) == "torch-reference"
+    mamba.configure(mamba2, None)
+    assert (
+        "WARNING: mamba2 is training on a GPU WITHOUT fast kernels (torch-reference)"
+        in capsys.readouterr().err
+    )
+
+
+def test_fla_kernels_replace_only_the_scan_and_conv(monkeypatch):
+    from transformers.models.mamba2 import modeling_mamba2
+
+    from trainer.families import mamba
+
+    for name in ("mamba2_chunk_scan", "causal_conv1d_fn", "mamba2_split_conv1d_scan_combined"):
+        monkeypatch.setattr(modeling_mamba2, name, getattr(modeling_mamba2, name))  # restored afterwards
+    fused = modeling_mamba2.mamba2_split_conv1d_scan_combined
+    mamba.use_fla_kernels()
+    assert modeling_mamba2.mamba2_chunk_scan is mamba.fla_ssd_scan
+    assert modeling_mamba2.causal_conv1d_fn is mamba.fla_causal_conv1d
+    assert modeling_mamba2.mamba2_split_conv1d_scan_combined is fused
+
+
+@pytest.mark.parametrize("name", ["tiny-mamba2", "tiny-mamba"])
+def test_example_yaml_runs(tmp_path, monkeypatch, name):
+    from tests.families_fixtures import losses
+    from trainer.loop import train
+
+    monkeypatch.chdir(REPO)
+    overrides = [
+        f"paths.output_dir={tmp_path / 'run'}",
+        f"paths.train_file={small_corpus(tmp_path)}",
+        "training.max_steps=2",
+        "data.max_length=32",
+        "eval.at_end=false",
+        "logging.progress_bar=false",
+    ]
+    assert train(load_config(REPO / "configs" / f"{name}.yaml", overrides)) == 0
+    assert sorted(losses(tmp_path / "run")) == [1, 2]
