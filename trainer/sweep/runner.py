@@ -186,7 +186,11 @@ class Runner:
         if not (force or self.dirty or time.monotonic() - self.written_at >= WRITE_EVERY):
             return
         snap = self.snapshot(final_status)
-        status.write_sweep_json(self.sweep.root, snap)
+        try:
+            status.write_sweep_json(self.sweep.root, snap)
+        except OSError as exc:  # a full disk must not take the running jobs down with the sweep
+            if f"{exc}" not in "".join(self.events[-1:]):
+                self.say(f"warning: could not write {status.SWEEP_JSON}: {exc}")
         self.written_at = time.monotonic()
         self.dirty = False
         if self.live and final_status is None:

@@ -80,8 +80,11 @@ def read_sweep_json(root: Path) -> dict:
 
 
 def write_sweep_json(root: Path, payload: dict) -> None:
+    """Atomically, through a temporary file of this process's own: two sweeps may share a root."""
     root.mkdir(parents=True, exist_ok=True)
-    runlog.write_json_atomic(root / SWEEP_JSON, payload)
+    tmp = root / f".{SWEEP_JSON}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(runlog.clean_value(payload, "", []), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, root / SWEEP_JSON)
 
 
 # ---------------------------------------------------------------- the table
