@@ -168,6 +168,13 @@ def test_plan_names_overrides_and_env_tuning(fake, tmp_path):
     grid = load_sweep(fake({"grid": {"NUM_WORKERS": [0, 2]}})).jobs
     assert [j.name for j in grid] == ["base_num-workers0", "base_num-workers2"]
     assert grid[1].overrides == {"performance.dataloader_num_workers": 2}
+    labelled = fake({"grid": {"NUM_WORKERS": [2], "optimization.learning_rate": ["1e-4"]},
+                     "names": {"optimization.learning_rate": "lr", "NUM_WORKERS": "nw"}})  # fmt: skip
+    assert [j.name for j in load_sweep(labelled).jobs] == ["base_nw2_lr0.0001"]
+    long = load_sweep(fake({"grid": {"model.revision": ["x" * 200]}})).jobs[0].name
+    assert len(long) == 120 and long.startswith("base_revision-xxx") and long[-9] == "-"
+    with pytest.raises(SweepError, match="two jobs would both be named 'base_revision-a-b'"):
+        load_sweep(fake({"grid": {"model.revision": ["a b", "a/b"]}}))
 
 
 def test_dry_run_prints_the_plan_and_starts_nothing(fake, capsys):

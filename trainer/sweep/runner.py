@@ -178,7 +178,7 @@ class Runner:
                     "running": [r.job.name for r in self.runs if r.state == "running" and r.gpu == gpu],
                 }
                 for gpu, n in self.slots.items()
-            ],  # fmt: skip
+            ],
             "jobs": [r.snapshot() for r in self.runs],
         }
 

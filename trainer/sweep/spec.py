@@ -385,8 +385,9 @@ def load_sweep(
     custom = raw.get("names") or {}
     if not isinstance(custom, dict):
         raise SweepError("names: expected a mapping section.key: label")
-    written = axis_labels([w for _, _, w in axes], {str(k): _clean(str(v)) for k, v in custom.items()})
-    labels = {k: custom.get(k) and _clean(str(custom[k])) or written[w] for k, _, w in axes}
+    custom = {str(k): _clean(str(v)) for k, v in custom.items()}
+    written = axis_labels([w for _, _, w in axes], custom)  # keyed as written in the file
+    labels = {k: custom.get(k, written[w]) for k, _, w in axes}  # a label may name the config key too
     common = {
         **overrides_from(raw.get("env_tuning"), "env_tuning"),
         **overrides_from(raw.get("set"), "set"),
