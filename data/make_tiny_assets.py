@@ -79,7 +79,11 @@ def train_tokenizer(texts: list[str], out_dir: Path, vocab_size: int = 1024) -> 
     )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
         padding_side="left",
     )
     fast.save_pretrained(out_dir)

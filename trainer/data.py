@@ -51,7 +51,13 @@ def read_records(path: str | Path, on_bad_line: str, report: DataReport) -> list
             header = next(rows, None) or []
             for number, row in enumerate(rows, start=2):
                 if len(row) != len(header):
-                    _bad(path, number, f"expected {len(header)} tab-separated fields, got {len(row)}", on_bad_line, report)
+                    _bad(
+                        path,
+                        number,
+                        f"expected {len(header)} tab-separated fields, got {len(row)}",
+                        on_bad_line,
+                        report,
+                    )
                     continue
                 records.append(dict(zip(header, row)))
             return records
@@ -89,7 +95,9 @@ def detect_format(records: list[dict], cfg: DataConfig, source: str) -> str:
     needed = (cfg.text_field,) if fmt == "text" else (cfg.prompt_field, cfg.response_field)
     for key in needed:
         if records and key not in records[0]:
-            raise DataError(f"{source}:1: field '{key}' missing (data.format is {fmt}; set data.{fmt}_field?)")
+            raise DataError(
+                f"{source}:1: field '{key}' missing (data.format is {fmt}; set data.{fmt}_field?)"
+            )
     return fmt
 
 
@@ -104,7 +112,9 @@ def split_records(records: list[dict], val_fraction: float, seed: int) -> tuple[
     return [r for i, r in enumerate(records) if i not in val_ids], [records[i] for i in sorted(val_ids)]
 
 
-def tokenize_record(record: dict, tokenizer, cfg: DataConfig, fmt: str, where: str) -> tuple[list[int], list[int]]:
+def tokenize_record(
+    record: dict, tokenizer, cfg: DataConfig, fmt: str, where: str
+) -> tuple[list[int], list[int]]:
     """Token ids and labels; prompt tokens get IGNORE so only the response is learned."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if cfg.add_eos and tokenizer.eos_token_id is not None else []
@@ -136,7 +146,11 @@ def chunk_document(ids: list[int], labels: list[int], max_length: int) -> list[t
 
 
 def build_sequences(
-    tokenized: list[tuple[list[int], list[int]]], cfg: DataConfig, pad_id: int, report: DataReport, packing: bool
+    tokenized: list[tuple[list[int], list[int]]],
+    cfg: DataConfig,
+    pad_id: int,
+    report: DataReport,
+    packing: bool,
 ) -> list[Sequence]:
     """Split (or truncate, counting the loss) long documents, then pack them into full rows or keep one per row."""
     pieces: list[tuple[list[int], list[int]]] = []

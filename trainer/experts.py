@@ -38,7 +38,9 @@ class ExpertCounter:
         self.counts = [torch.zeros(self.num_experts, dtype=torch.long) for _ in self.routers]
         self.token_mask: torch.Tensor | None = None
         self._seen: set[int] = set()
-        self._handles = [module.register_forward_hook(self._hook(i)) for i, (_, module) in enumerate(self.routers)]
+        self._handles = [
+            module.register_forward_hook(self._hook(i)) for i, (_, module) in enumerate(self.routers)
+        ]
 
     @property
     def active(self) -> bool:
@@ -64,7 +66,9 @@ class ExpertCounter:
             indices = indices.detach().reshape(-1, indices.shape[-1])
             if self.token_mask is not None and self.token_mask.numel() == indices.shape[0]:
                 indices = indices[self.token_mask.to(indices.device)]
-            self.counts[index] += torch.bincount(indices.reshape(-1).cpu(), minlength=self.num_experts)[: self.num_experts]
+            self.counts[index] += torch.bincount(indices.reshape(-1).cpu(), minlength=self.num_experts)[
+                : self.num_experts
+            ]
 
         return hook
 

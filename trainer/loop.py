@@ -168,19 +168,15 @@ def accumulate_gradients(model, batches: list[dict], accelerator, counter: Exper
     return global_targets, ce_total, aux_total, input_tokens, aux
 
 
-def oom_give_up(accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, shape, exc):
-    """Out of retries or of room to shrink: keep what was trained, then fail with a clear message."""
-    if step > 0 and accelerator.num_processes == 1:
-        save_and_retain(
-            accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, "oom", shape
-        )
-    raise OutOfMemoryAfterRetries(
+def oom_failure(step: int, shape: StepShape, cfg: Config, world: int) -> OutOfMemoryAfterRetries:
+    """The error for an OOM the fallback cannot absorb: out of retries, of room to shrink, or multi-process."""
+    return OutOfMemoryAfterRetries(
         f"out of memory at step {step + 1} with micro_batch_size={shape.micro}, "
         f"gradient_accumulation_steps={shape.accum}, split length {shape.split_length or cfg.data.max_length}"
-        f"{'' if accelerator.num_processes == 1 else ' (the fallback runs in single-process training only)'}; "
+        f"{'' if world == 1 else ' (the fallback runs in single-process training only)'}; "
         f"checkpoint-{step} holds the last completed step. Lower training.micro_batch_size or data.max_length, "
         "or enable memory.gradient_checkpointing"
-    ) from exc
+    )
 
 
 def forward_loss(model, batch: dict, accelerator):
@@ -388,6 +384,13 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
     telemetry.start()
     stop = StopFlag()
     stop.install()
+
+    def save_now(kind: str):
+        """Checkpoint the current state (the loop's variables as they are now); returns the best metric."""
+        return save_and_retain(
+            accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, kind, shape
+        )
+
     progress = make_progress(is_main and cfg.logging.progress_bar, step, total_steps)
     aux_coef = float(getattr(accelerator.unwrap_model(model).config, "router_aux_loss_coef", 0.0) or 0.0)
     last_eval: dict | None = None
@@ -422,20 +425,9 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
                         or smaller is None
                         or attempt == cfg.memory.max_oom_retries
                     ):
-                        oom_give_up(
-                            accelerator,
-                            model,
-                            tokenizer,
-                            cfg,
-                            output_dir,
-                            log,
-                            step,
-                            pos,
-                            last_eval,
-                            best,
-                            shape,
-                            exc,
-                        )
+                        if step > 0 and world == 1:
+                            save_now("oom")  # keep what was trained before failing
+                        raise oom_failure(step, shape, cfg, world) from exc
                     log.event(
                         "oom_fallback",
                         step=step + 1,
@@ -523,38 +515,12 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
                 if cfg.logging.report_to and last_eval:
                     accelerator.log(tracker_eval_metrics(last_eval), step=step)
             if should_save:
-                best = save_and_retain(
-                    accelerator,
-                    model,
-                    tokenizer,
-                    cfg,
-                    output_dir,
-                    log,
-                    step,
-                    pos,
-                    last_eval,
-                    best,
-                    "periodic",
-                    shape,
-                )
+                best = save_now("periodic")
             if stop_requested(stop, accelerator):
                 signame = signal.Signals(stop.signum).name if stop.signum else "SIGTERM"
                 log.event("signal", step=step, signal=signame)
                 if not should_save:
-                    best = save_and_retain(
-                        accelerator,
-                        model,
-                        tokenizer,
-                        cfg,
-                        output_dir,
-                        log,
-                        step,
-                        pos,
-                        last_eval,
-                        best,
-                        "signal",
-                        shape,
-                    )
+                    best = save_now("signal")
                 exit_code = EXIT_SIGNAL.get(stop.signum, 143)
                 break
             if step % 10 == 0:

@@ -37,7 +37,13 @@ def gpu_samples(pynvml, handles) -> list[dict]:
         ):
             try:
                 value = read(handle)
-                record[key] = value.decode() if isinstance(value, bytes) else round(value, 1) if isinstance(value, float) else value
+                record[key] = (
+                    value.decode()
+                    if isinstance(value, bytes)
+                    else round(value, 1)
+                    if isinstance(value, float)
+                    else value
+                )
             except Exception:  # noqa: BLE001 - a field this GPU does not report
                 continue
         samples.append(record)
