@@ -148,3 +148,11 @@ def test_instruction_records_learn_only_the_response(tokenizer):
     decoded = tokenizer.decode(targets)
     assert "Answer:" not in decoded and "Question" not in decoded and decoded.endswith("</s>")
     assert row.labels[:3] == [IGNORE] * 3
+
+
+def test_tokenizing_in_threads_gives_the_same_rows(tokenizer):
+    paths = PathsConfig(train_file=str(REPO / "data" / "tiny_corpus.jsonl"))
+    one = prepare_data(paths, DataConfig(max_length=64), tokenizer, family_packing=True, workers=0)
+    four = prepare_data(paths, DataConfig(max_length=64), tokenizer, family_packing=True, workers=4)
+    assert [r.input_ids for r in one.train] == [r.input_ids for r in four.train]
+    assert [r.labels for r in one.val] == [r.labels for r in four.val]

@@ -199,7 +199,7 @@ def test_dry_run_prints_the_plan_and_starts_nothing(fake, capsys):
         (
             {"set": {"PREFETCH_FACTOR": 2}},
             [],
-            "PREFETCH_FACTOR has no config key yet (it needs performance.prefetch_factor)",
+            "PREFETCH_FACTOR does not apply here",
         ),
         ({"env_tuning": {"PIN_MEMORY": "maybe"}}, [], "PIN_MEMORY expects 1/0 or true/false"),
         ({"grid": {"lora.r": 8}}, [], "grid.lora.r: expected a non-empty list of values"),

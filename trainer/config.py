@@ -150,7 +150,7 @@ class MemoryConfig:
 @dataclass
 class PerformanceConfig:
     tf32: bool = True
-    dataloader_num_workers: int = 0
+    dataloader_num_workers: int = 0  # threads that tokenize the data at start-up (rows then stay in memory)
     pin_memory: bool = False
     torch_threads: int = 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,8 +226,11 @@ class PreparedData:
     report: DataReport
 
 
-def prepare_data(paths, cfg: DataConfig, tokenizer, family_packing: bool) -> PreparedData:
-    """Everything from file to rows; deterministic for a given seed, so resume sees the same data."""
+def prepare_data(paths, cfg: DataConfig, tokenizer, family_packing: bool, workers: int = 0) -> PreparedData:
+    """Everything from file to rows; deterministic for a given seed, so resume sees the same data.
+
+    The rows stay in memory and the loop collates them directly, so ``workers`` (the config's
+    ``performance.dataloader_num_workers``) parallelises the one costly part: tokenizing at start-up."""
     report = DataReport()
     records = read_records(paths.train_file, cfg.on_bad_line, report)
     if not records:
@@ -242,16 +246,26 @@ def prepare_data(paths, cfg: DataConfig, tokenizer, family_packing: bool) -> Pre
     report.train_records, report.val_records = len(train_records), len(val_records)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
+    def tokenize_one(item: tuple[int, dict], source: str):
+        i, record = item
+        try:
+            return tokenize_record(record, tokenizer, cfg, fmt, f"{source}:record {i + 1}")
+        except DataError:
+            if cfg.on_bad_line == "fail":
+                raise
+            return None
+
     def tokenize_all(items: list[dict], source: str) -> list[tuple[list[int], list[int]]]:
-        out = []
-        for i, record in enumerate(items):
-            try:
-                out.append(tokenize_record(record, tokenizer, cfg, fmt, f"{source}:record {i + 1}"))
-            except DataError:
-                if cfg.on_bad_line == "fail":
-                    raise
-                report.skipped_lines += 1
-        return out
+        """In order; with ``workers`` > 1 in threads (fast tokenizers release the GIL)."""
+        if workers > 1:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                results = list(
+                    pool.map(lambda item: tokenize_one(item, source), enumerate(items), chunksize=256)
+                )
+        else:
+            results = [tokenize_one(item, source) for item in enumerate(items)]
+        report.skipped_lines += sum(1 for r in results if r is None)
+        return [r for r in results if r is not None]
 
     train = build_sequences(tokenize_all(train_records, str(paths.train_file)), cfg, pad_id, report, packing)
     val_report = DataReport()

@@ -293,7 +293,9 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
         set_seed(cfg.training.seed)
         loaded = load_for_training(model_source(cfg, resume_from), accelerator.device)
         model, tokenizer = loaded.model, loaded.tokenizer
-        data = prepare_data(cfg.paths, cfg.data, tokenizer, loaded.family.packing)
+        data = prepare_data(
+            cfg.paths, cfg.data, tokenizer, loaded.family.packing, cfg.performance.dataloader_num_workers
+        )
         task, task_examples = load_task(cfg)
         cfg = resolve_metric(cfg, task)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -57,7 +57,8 @@ ENV_TUNING: dict[str, str] = {
     "PER_DEVICE_EVAL_BATCH_SIZE": "eval.batch_size",
     "EVAL_MAX_BATCHES": "eval.max_batches",
 }
-# Knobs the trainer has no config key for yet: named so a sweep file that sets one fails clearly.
+# Knobs of the old scripts' DataLoader/Trainer that have no counterpart in this loop: named so a sweep
+# file that sets one fails clearly instead of silently doing nothing.
 ENV_TUNING_MISSING: dict[str, str] = {
     "PREFETCH_FACTOR": "performance.prefetch_factor",
     "DATALOADER_PREFETCH_FACTOR": "performance.prefetch_factor",
@@ -155,7 +156,8 @@ def normalize_key(key: Any, value: Any, where: str) -> tuple[str, Any]:
         return ENV_TUNING[key], _tuning_value(key, value, ENV_TUNING[key], where)
     if key in ENV_TUNING_MISSING:
         raise SweepError(
-            f"{where}: {key} has no config key yet (it needs {ENV_TUNING_MISSING[key]}); "
+            f"{where}: {key} does not apply here (the trainer keeps tokenized rows in memory and collates them "
+            "itself: no DataLoader workers to prefetch or keep alive, no evaluation outputs to accumulate); "
             f"tuning names that work: {', '.join(sorted(ENV_TUNING))}"
         )
     hints = _config_hints()
