@@ -168,7 +168,7 @@ def train_steps(model, batch: dict, steps: int = 3, lr: float = 1e-2) -> list[fl
         ce_sum, _ = forward_loss(model, batch, CpuAccelerator())
         (ce_sum / count_targets(batch)).backward()
         optimizer.step()
-        seen.append(float(ce_sum) / count_targets(batch))
+        seen.append(float(ce_sum.detach()) / count_targets(batch))
     return seen
 
 

@@ -162,6 +162,10 @@ def test_gla_lora_variants_train(tmp_path, variant, init):
     check_variant_trains(tmp_path, "tiny-gla", TARGETS, variant, init)
 
 
+def test_gla_dora_on_4bit_layers_trains(tmp_path):
+    check_variant_trains(tmp_path, "tiny-gla", TARGETS[:-1], "dora", "default", method="qlora")
+
+
 def test_gla_qlora_quantizes_every_linear_and_keeps_gradients_right(tmp_path):
     import bitsandbytes as bnb
 

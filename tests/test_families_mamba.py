@@ -151,6 +151,11 @@ def test_mamba_lora_variants_train(tmp_path, model, variant, init):
 
 
 @pytest.mark.parametrize("model", list(MODELS))
+def test_mamba_dora_on_4bit_layers_trains(tmp_path, model):
+    check_variant_trains(tmp_path, model, MODELS[model]["targets"][:-1], "dora", "default", method="qlora")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
 def test_mamba_qlora_keeps_directly_read_weights_unquantized_and_gradients_right(tmp_path, model):
     import bitsandbytes as bnb
 
@@ -283,6 +288,7 @@ def test_fla_kernels_replace_only_the_scan_and_conv(monkeypatch):
 
     from trainer.families import mamba
 
+    assert mamba._fla_usable()  # this transformers' Mamba-2 mixer calls the two functions swapped below
     for name in ("mamba2_chunk_scan", "causal_conv1d_fn", "mamba2_split_conv1d_scan_combined"):
         monkeypatch.setattr(modeling_mamba2, name, getattr(modeling_mamba2, name))  # restored afterwards
     fused = modeling_mamba2.mamba2_split_conv1d_scan_combined

@@ -18,6 +18,7 @@ family turns packing off: one document (or chunk of one) per row, right-padded, 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 import sys
 
@@ -43,13 +44,21 @@ def _installed(name: str) -> bool:
         return False
 
 
+# The module-level functions of transformers' Mamba-2 that the fla path replaces.
+FLA_SWAPPED = ("mamba2_chunk_scan", "causal_conv1d_fn")
+
+
 def _fla_usable() -> bool:
+    """fla's kernels import, and this transformers' Mamba-2 mixer calls the functions we would swap
+    (another layout would silently keep the reference path while claiming the fast one)."""
     try:
         from fla.modules.causal_conv1d import causal_conv1d  # noqa: F401
         from fla.ops.simple_gla import chunk_simple_gla  # noqa: F401
+        from transformers.models.mamba2 import modeling_mamba2
     except Exception:  # noqa: BLE001 - fla or triton missing or broken: not this path
         return False
-    return True
+    called = inspect.unwrap(modeling_mamba2.Mamba2Mixer.forward).__code__.co_names
+    return all(hasattr(modeling_mamba2, name) and name in called for name in FLA_SWAPPED)
 
 
 def kernel_path(hf_config) -> str:

@@ -1,0 +1,446 @@
+"""GPU benchmark of the GLA and Mamba families: tokens/s and peak memory of LoRA training, per kernel path.
+
+Rows: GLA (~340M, fla's Triton kernels) with LoRA and DoRA; Mamba-2 (~130M) with LoRA and DoRA on its
+fast path (mamba_ssm if installed, else fla's Triton SSD) and with LoRA on transformers' PyTorch
+reference path, same card and shapes (target: fast >= 20x reference tokens/s); Mamba-1 (~130M) with
+LoRA and DoRA on its best path (mamba_ssm, else mambapy). Random-init weights, random tokens, bf16,
+through the kit's own ``load_for_training`` and ``forward_loss`` (family hooks, PEFT, kernel choice).
+Each row runs in its own subprocess (kernel swaps are process-wide; an OOM stays in its row).
+A row whose kernels are missing is skipped with the reason. Fast rows also check their logits against
+the reference implementation on one small batch (max |difference|, in bf16).
+
+    python bench/bench_families.py --steps 50 --out $OUT/families.json
+    python bench/bench_families.py --only mamba2 --steps 20 --out /tmp/families.json
+    python bench/bench_families.py --smoke --inline --steps 2 --out /tmp/smoke.json   # tiny shapes, CPU ok
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+VOCAB = 32000
+GLA_340M = {
+    "model_type": "gla",
+    "hidden_size": 1024,
+    "num_hidden_layers": 24,
+    "num_heads": 4,
+    "expand_k": 0.5,
+    "expand_v": 1.0,
+    "hidden_ratio": 4,
+    "attn_mode": "chunk",
+    "vocab_size": VOCAB,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+MAMBA2_130M = {
+    "model_type": "mamba2",
+    "hidden_size": 768,
+    "num_hidden_layers": 24,
+    "state_size": 128,
+    "expand": 2,
+    "head_dim": 64,
+    "num_heads": 24,
+    "n_groups": 1,
+    "chunk_size": 256,
+    "vocab_size": VOCAB,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+MAMBA_130M = {
+    "model_type": "mamba",
+    "hidden_size": 768,
+    "num_hidden_layers": 24,
+    "state_size": 16,
+    "expand": 2,
+    "vocab_size": VOCAB,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+SMOKE = {  # --smoke: the same rows at toy size, to check the script itself (CPU is fine)
+    "gla": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "vocab_size": 1024},
+    "mamba2": {"hidden_size": 64, "num_hidden_layers": 2, "state_size": 16, "head_dim": 16, "num_heads": 8},
+    "mamba": {"hidden_size": 64, "num_hidden_layers": 2, "state_size": 8},
+}
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    model: dict
+    variant: str
+    targets: object
+    batch: int
+    path: str = "best"  # "best": whatever the family picks; "reference": transformers' PyTorch code
+    checkpointing: bool = False
+
+
+def rows(args) -> list[Row]:
+    b_gla, b_m2, b_m1 = args.batch_gla, args.batch_mamba2, args.batch_mamba
+    return [
+        Row("gla-340m lora", GLA_340M, "lora", "all-linear", b_gla),
+        Row("gla-340m dora", GLA_340M, "dora", "all-linear", b_gla),
+        Row("mamba2-130m lora fast", MAMBA2_130M, "lora", ["in_proj"], b_m2),
+        Row("mamba2-130m dora fast", MAMBA2_130M, "dora", ["in_proj"], b_m2),
+        Row("mamba2-130m lora reference", MAMBA2_130M, "lora", ["in_proj"], b_m2, path="reference"),
+        # mambapy's scan keeps [batch, seq, d_inner, state] per layer: recompute layers to fit
+        Row("mamba-130m lora", MAMBA_130M, "lora", ["in_proj", "x_proj"], b_m1, checkpointing=True),
+        Row("mamba-130m dora", MAMBA_130M, "dora", ["in_proj", "x_proj"], b_m1, checkpointing=True),
+    ]
+
+
+# ---------------------------------------------------------------- one row (runs in its own process)
+
+
+def model_dir(root: Path, config: dict) -> Path:
+    folder = root / config["model_type"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "configs" / "tiny-moe" / file, folder / file)
+    return folder
+
+
+def missing_kernels(row: Row, cuda: bool) -> str | None:
+    """Why this row cannot run here, or None."""
+    from trainer.families import mamba
+
+    kind = row.model["model_type"]
+    if kind == "gla":
+        try:
+            import fla.models  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            return f"flash-linear-attention not importable ({type(exc).__name__}: {exc})"[:200]
+        return None
+    if row.path == "reference":
+        return None
+    from transformers import Mamba2Config, MambaConfig
+
+    config = (Mamba2Config if kind == "mamba2" else MambaConfig)(
+        **{k: v for k, v in row.model.items() if k != "model_type"}
+    )
+    path = mamba.kernel_path(config)
+    if path == mamba.KERNEL_REFERENCE:
+        if kind == "mamba2":
+            return "no fast Mamba-2 kernels: neither mamba_ssm nor flash-linear-attention with triton on CUDA"
+        return "no fast Mamba-1 path: neither mamba_ssm nor mambapy installed"
+    return None
+
+
+@contextlib.contextmanager
+def forced_reference_path():
+    """Mamba on transformers' PyTorch code even where faster kernels exist (the baseline row)."""
+    from trainer import families
+    from trainer.families import mamba
+
+    original_family, original_path = families.FAMILIES["mamba"], mamba.kernel_path
+
+    def reference(hf_config):
+        return mamba.KERNEL_REFERENCE
+
+    mamba.kernel_path = reference
+    families.FAMILIES["mamba"] = dataclasses.replace(original_family, kernel_path=reference)
+    try:
+        yield
+    finally:
+        mamba.kernel_path = original_path
+        families.FAMILIES["mamba"] = original_family
+
+
+def kit_config(folder: Path, row: Row, seq: int, smoke: bool):
+    from trainer.config import build_config
+
+    return build_config(
+        {
+            "paths": {"output_dir": str(folder / "out")},
+            "model": {
+                "name_or_path": str(folder),
+                "random_init": True,
+                "dtype": "fp32" if smoke else "bf16",
+            },
+            "training": {"method": "lora", "seed": 0},
+            "lora": {
+                "r": 16,
+                "alpha": 32,
+                "dropout": 0.0,
+                "variant": row.variant,
+                "target_modules": row.targets,
+            },
+            "data": {"max_length": seq},
+            "memory": {"gradient_checkpointing": row.checkpointing},
+        }
+    )
+
+
+class Accel:
+    """What forward_loss needs: a device and an autocast context."""
+
+    def __init__(self, device, dtype):
+        self.device, self._dtype = device, dtype
+
+    def autocast(self):
+        import torch
+
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=self._dtype)
+
+
+def reference_check(model, row: Row, device, vocab: int) -> dict | None:
+    """Logits of the fast path vs the reference implementation on one batch (same weights, bf16)."""
+    import torch
+
+    kind = row.model["model_type"]
+    if device.type != "cuda" or row.path == "reference":
+        return None
+    ids = torch.randint(3, vocab, (1, 512), device=device, generator=torch.Generator(device).manual_seed(1))
+    model.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        fast = model(input_ids=ids).logits.float()
+        with reference_ops(kind):
+            slow = model(input_ids=ids).logits.float()
+    model.train()
+    return {"max_abs_logit_diff": float((fast - slow).abs().max()), "max_abs_logit": float(slow.abs().max())}
+
+
+@contextlib.contextmanager
+def reference_ops(kind: str):
+    """Temporarily put the reference implementations back (GLA: fla's naive op; Mamba-2: transformers')."""
+    if kind == "gla":
+        import fla.layers.gla as layer
+
+        from trainer.families.gla import naive_gla
+
+        saved = (layer.chunk_gla, layer.fused_chunk_gla, layer.fused_recurrent_gla)
+        layer.chunk_gla = layer.fused_chunk_gla = layer.fused_recurrent_gla = naive_gla
+        try:
+            yield
+        finally:
+            layer.chunk_gla, layer.fused_chunk_gla, layer.fused_recurrent_gla = saved
+    elif kind == "mamba2":
+        from transformers.models.mamba2 import modeling_mamba2 as mm
+
+        saved = (mm.mamba2_chunk_scan, mm.causal_conv1d_fn)
+        mm.mamba2_chunk_scan, mm.causal_conv1d_fn = ORIGINAL_MAMBA2
+        try:
+            yield
+        finally:
+            mm.mamba2_chunk_scan, mm.causal_conv1d_fn = saved
+    else:
+        yield
+
+
+ORIGINAL_MAMBA2: tuple = ()
+
+
+def run_row(row: Row, steps: int, seq: int, smoke: bool) -> dict:
+    import torch
+
+    global ORIGINAL_MAMBA2
+    from transformers.models.mamba2 import modeling_mamba2 as mm
+
+    ORIGINAL_MAMBA2 = ORIGINAL_MAMBA2 or (mm.mamba2_chunk_scan, mm.causal_conv1d_fn)
+    from trainer.data import Sequence, collate
+    from trainer.loop import count_targets, forward_loss
+    from trainer.modeling import load_for_training
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    result = {"row": row.name, "variant": row.variant, "batch": row.batch, "seq": seq, "steps": steps}
+    result["gradient_checkpointing"] = row.checkpointing
+    why = missing_kernels(row, cuda)
+    if why:
+        return {**result, "status": "skipped", "reason": why}
+    model_config = {**row.model, **(SMOKE[row.model["model_type"]] if smoke else {})}
+    with tempfile.TemporaryDirectory(prefix="bench-families-") as tmp:
+        folder = model_dir(Path(tmp), model_config)
+        cfg = kit_config(folder, dataclasses.replace(row, model=model_config), seq, smoke)
+        with forced_reference_path() if row.path == "reference" else contextlib.nullcontext():
+            loaded = load_for_training(cfg, device)
+        model = loaded.model.to(device)
+        result.update(
+            kernel_path=loaded.report["kernel_path"],
+            total_params_m=round(loaded.report["total_params"] / 1e6, 1),
+            trainable_params_m=round(loaded.report["trainable_params"] / 1e6, 2),
+            packing=loaded.family.packing,
+        )
+        vocab = model_config["vocab_size"]
+        gen = torch.Generator().manual_seed(0)
+        rows_ = [torch.randint(3, vocab, (seq,), generator=gen).tolist() for _ in range(row.batch)]
+        batch = collate([Sequence(r, r, list(range(seq))) for r in rows_], 0)
+        targets = count_targets(batch)
+        accel = Accel(device, torch.bfloat16)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        model.train()
+        warmup = min(3, steps)
+        losses = []
+        for i in range(warmup + steps):
+            if i == warmup:
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            ce_sum, _ = forward_loss(model, batch, accel)
+            (ce_sum / targets).backward()
+            optimizer.step()
+            losses.append(float(ce_sum.detach()) / targets)
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - started
+        result.update(
+            status="ok",
+            tokens_per_s=round(row.batch * seq * steps / elapsed, 1),
+            step_s=round(elapsed / steps, 4),
+            peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            first_loss=round(losses[0], 4),
+            last_loss=round(losses[-1], 4),
+            check=reference_check(model, row, device, vocab),
+        )
+        if result["kernel_path"] == "fla-triton-ssd":
+            from trainer.families.mamba import fla_ssd_scan
+
+            result["fla_swapped"] = mm.mamba2_chunk_scan is fla_ssd_scan
+    return result
+
+
+def run_row_safely(row: Row, steps: int, seq: int, smoke: bool) -> dict:
+    import torch
+
+    try:
+        return run_row(row, steps, seq, smoke)
+    except torch.cuda.OutOfMemoryError as exc:
+        return {"row": row.name, "status": "oom", "reason": str(exc).splitlines()[0][:200]}
+    except Exception as exc:  # noqa: BLE001 - one broken row must not hide the others
+        return {"row": row.name, "status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+# ---------------------------------------------------------------- the table
+
+
+def ratio_note(results: list[dict]) -> str | None:
+    by_name = {r["row"]: r for r in results}
+    fast, ref = by_name.get("mamba2-130m lora fast"), by_name.get("mamba2-130m lora reference")
+    if not (fast and ref and fast.get("status") == ref.get("status") == "ok"):
+        return None
+    ratio = fast["tokens_per_s"] / ref["tokens_per_s"]
+    verdict = "meets" if ratio >= 20 else "MISSES"
+    return (
+        f"Mamba-2 fast ({fast['kernel_path']}) / reference: {ratio:.1f}x tokens/s ({verdict} the 20x target)"
+    )
+
+
+def table(results: list[dict]) -> str:
+    head = f"{'row':28} {'kernel path':17} {'params':>7} {'batch x seq':>11} {'tokens/s':>10} {'peak GiB':>8}  check"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r.get("status") != "ok":
+            lines.append(f"{r['row']:28} {r.get('status', '?').upper()}: {r.get('reason', '')}")
+            continue
+        check = r.get("check")
+        check_text = f"|dlogit| {check['max_abs_logit_diff']:.3g}" if check else ""
+        if check and check["max_abs_logit_diff"] == 0.0:
+            check_text += " (identical: did the fast path engage?)"
+        peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "-"
+        lines.append(
+            f"{r['row']:28} {r['kernel_path']:17} {r['total_params_m']:>6}M "
+            f"{str(r['batch']) + ' x ' + str(r['seq']):>11} {r['tokens_per_s']:>10,.0f} {peak:>8}  {check_text}"
+        )
+    note = ratio_note(results)
+    if note:
+        lines.append(note)
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    info = {"python": sys.version.split()[0], "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+    for name in ("torch", "transformers", "peft", "triton", "flash-linear-attention", "mamba-ssm", "mambapy"):
+        try:
+            info[name] = md.version(name)
+        except md.PackageNotFoundError:
+            info[name] = None
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--steps", type=int, default=50, help="timed optimizer steps per row (after 3 warm-up)"
+    )
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch-gla", type=int, default=8)
+    parser.add_argument(
+        "--batch-mamba2", type=int, default=2, help="the reference path needs ~40 GiB at 2 x 2048"
+    )
+    parser.add_argument("--batch-mamba", type=int, default=4)
+    parser.add_argument(
+        "--only", default="", help="run rows whose name contains this (e.g. mamba2, gla, dora)"
+    )
+    parser.add_argument("--out", default="families.json", help="JSON file for the results")
+    parser.add_argument(
+        "--smoke", action="store_true", help="toy model sizes (check the script, not the GPU)"
+    )
+    parser.add_argument("--inline", action="store_true", help="run rows in this process instead of one each")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run this one row, print its JSON
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.seq = min(args.seq, 64)
+        args.batch_gla = args.batch_mamba2 = args.batch_mamba = 2
+
+    if args.row is not None:
+        row = next(r for r in rows(args) if r.name == args.row)
+        print("ROW-RESULT " + json.dumps(run_row_safely(row, args.steps, args.seq, args.smoke)), flush=True)
+        return 0
+
+    results = []
+    for row in rows(args):
+        if args.only and args.only not in row.name:
+            continue
+        print(f"== {row.name}", file=sys.stderr, flush=True)
+        if args.inline:
+            results.append(run_row_safely(row, args.steps, args.seq, args.smoke))
+            continue
+        child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--row", row.name]
+        done = subprocess.run(child, capture_output=True, text=True)
+        found = [line for line in done.stdout.splitlines() if line.startswith("ROW-RESULT ")]
+        if found:
+            results.append(json.loads(found[-1][len("ROW-RESULT ") :]))
+        else:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            results.append(
+                {"row": row.name, "status": "error", "reason": f"exit {done.returncode}: {tail[0]}"[:300]}
+            )
+        sys.stderr.write("\n".join(done.stderr.splitlines()[-3:]) + "\n")
+    report = {"environment": environment(), "rows": results, "summary": ratio_note(results)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(table(results))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
