@@ -14,8 +14,8 @@ def records(run, name):
     return list(iter_records(run / runlog.LOGS_DIR / name))
 
 
-def test_default_run_finishes_fast_and_says_where(default_run):
-    assert default_run["wall"] < 180, f"default run took {default_run['wall']:.0f}s"
+def test_default_run_says_where_its_run_folder_is(default_run):
+    # Its wall time (target: under 3 minutes on 2 cores) is measured by bench/bench_default_run.py, not here.
     out = default_run["stdout"]
     assert f"run folder: {default_run['path']}" in out
     assert "./launch_dashboard.sh --logdir" in out and "http://localhost:5000" in out
