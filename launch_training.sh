@@ -14,6 +14,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 . "$ROOT/scripts/setup_venv.sh"
 
 trainer_args=()
+config_args=()  # --config/--set only: what check-config takes
 num_processes="${NUM_PROCESSES:-}"
 max_restarts=0
 config="training_config.yaml"
@@ -21,8 +22,9 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --num_processes|--num-processes) num_processes="$2"; shift 2 ;;
     --max_restarts|--max-restarts) max_restarts="$2"; shift 2 ;;
-    --config) config="$2"; trainer_args+=("$1" "$2"); shift 2 ;;
-    --set|--resume_from|--resume-from) trainer_args+=("$1" "$2"); shift 2 ;;
+    --config) config="$2"; trainer_args+=("$1" "$2"); config_args+=("$1" "$2"); shift 2 ;;
+    --set) trainer_args+=("$1" "$2"); config_args+=("$1" "$2"); shift 2 ;;
+    --resume_from|--resume-from) trainer_args+=("$1" "$2"); shift 2 ;;
     --resume) trainer_args+=("$1"); shift ;;
     -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "launch_training.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -36,7 +38,7 @@ setup_venv "train" || { echo "launch_training.sh: environment setup failed" >&2;
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 # Fail fast, once, on a bad config (exit 2) before any process loads a model.
-python -m trainer check-config "${trainer_args[@]}" >/dev/null || exit $?
+python -m trainer check-config "${config_args[@]}" >/dev/null || exit $?
 
 if [ -z "$num_processes" ]; then
   num_processes=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
