@@ -143,6 +143,8 @@ class LoggingConfig:
 @dataclass
 class MemoryConfig:
     gradient_checkpointing: bool = False
+    # Cross-entropy in checkpointed chunks of tokens, never the full fp32 logits (plain-head causal LMs).
+    chunked_loss: bool = True
     oom_fallback: bool = True
     max_oom_retries: int = 3
 

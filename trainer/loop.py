@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer import checkpoints as ckpt
-from trainer import runlog
+from trainer import chunked_loss, runlog
 from trainer.config import Config, dump_config
 from trainer.data import IGNORE, Sequence, collate, epoch_order, prepare_data
 from trainer.evaluate import count_targets, evaluate_generation, evaluate_loss, load_task, resolve_metric
@@ -184,6 +184,14 @@ def forward_loss(model, batch: dict, accelerator):
     from trainer.families import family_inputs
 
     inputs = {k: v.to(accelerator.device) for k, v in family_inputs(model, batch).items()}
+    if chunked_loss.enabled(model):  # memory.chunked_loss: no full fp32 logits (trainer/chunked_loss.py)
+        head = chunked_loss.output_head(model)
+        with accelerator.autocast():
+            with chunked_loss.head_bypassed(head):
+                out = model(**inputs, use_cache=False)
+            hidden = out.logits.reshape(*batch["labels"].shape, -1)
+            ce_sum = chunked_loss.chunked_cross_entropy(head, hidden, batch["labels"])
+        return ce_sum, getattr(out, "aux_loss", None)
     with accelerator.autocast():
         out = model(**inputs, use_cache=False)
     # A family may flatten packed rows into one (GLA's varlen cu_seqlens): back to the batch's shape.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from trainer import chunked_loss
 from trainer.config import Config
 from trainer.families import Family, ModelLoadError, family_for
 from trainer.moe_quant import QuantizedExpertWeights, quantize_fused_experts
@@ -321,5 +322,6 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
     if cfg.training.method in ("lora", "qlora"):
         model = apply_peft(model, cfg, family)
     report = size_report(model, cfg.training.method)
+    report["chunked_loss"] = chunked_loss.enable(model, cfg.memory.chunked_loss)
     report["kernel_path"] = kernel_path
     return LoadedModel(model=model, tokenizer=tokenizer, family=family, model_type=model_type, report=report)
