@@ -231,6 +231,12 @@ class Runner:
             run.state, run.held_by, run.checked_at = "held", str(held), time.monotonic()
             self.say(f"{job.name}: running elsewhere ({held}); waiting for it")
             return
+        if status.job_finished(job.output_dir):
+            # Another sweep finished it between our last look and taking the lock: nothing to run.
+            lock.release()
+            run.state, run.held_by, run.message = "done", None, "finished by another process"
+            self.say(f"{job.name}: finished by another process")
+            return
         if stale is not None:
             self.say(f"{job.name}: took over a stale lock ({locks.describe(stale)}): that process is gone")
         run.attempts += 1
