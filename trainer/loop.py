@@ -536,24 +536,7 @@ def train(cfg: Config, resume: str | None = None, config_source: str | None = No
             if step % 10 == 0:
                 log.update_run(step=step)
         else:
-            name = f"{runlog.FINAL_PREFIX}{step}"
-            state = trainer_state(step, pos, last_eval, best, cfg, shape)
-            path = ckpt.save_checkpoint(accelerator, model, tokenizer, output_dir, name, state)
-            if is_main:
-                log.event(
-                    "checkpoint_saved",
-                    step=step,
-                    path=str(path),
-                    size_bytes=ckpt.folder_size(path),
-                    metric=cfg.eval.metric_for_best,
-                    metric_value=state["metric_value"],
-                    kind="final",
-                )
-                if (
-                    best_is(state["metric_value"], best, cfg)
-                    or not (output_dir / runlog.BEST_ADAPTER_DIR).exists()
-                ):
-                    best = update_best(path, output_dir, log, step, cfg, state["metric_value"], best)
+            best = save_now("final")
     except BaseException as exc:
         if progress is not None:
             progress.close()
@@ -714,13 +697,13 @@ def trainer_state(step: int, pos: Position, last_eval, best, cfg: Config, shape:
 def save_and_retain(
     accelerator, model, tokenizer, cfg, output_dir, log, step, pos, last_eval, best, kind, shape
 ):
+    """Save checkpoint-<step> (final-checkpoint-<step> for kind "final"), log it, update the best copy, prune."""
     state = trainer_state(step, pos, last_eval, best, cfg, shape)
     is_better = best_is(state["metric_value"], best, cfg)
     if is_better:
         state["best_metric"] = state["metric_value"]
-    path = ckpt.save_checkpoint(
-        accelerator, model, tokenizer, output_dir, f"{runlog.CHECKPOINT_PREFIX}{step}", state
-    )
+    prefix = runlog.FINAL_PREFIX if kind == "final" else runlog.CHECKPOINT_PREFIX
+    path = ckpt.save_checkpoint(accelerator, model, tokenizer, output_dir, f"{prefix}{step}", state)
     if not accelerator.is_main_process:
         return state["best_metric"]
     log.event(
@@ -732,7 +715,7 @@ def save_and_retain(
         metric_value=state["metric_value"],
         kind=kind,
     )
-    if is_better:
+    if is_better or (kind == "final" and not (output_dir / runlog.BEST_ADAPTER_DIR).exists()):
         update_best(path, output_dir, log, step, cfg, state["metric_value"], best)
     for removed in ckpt.prune_checkpoints(output_dir, cfg.training.keep_top_k, cfg.eval.greater_is_better):
         log.event("checkpoint_pruned", step=runlog.checkpoint_step(removed.name), path=str(removed))
