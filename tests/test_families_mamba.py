@@ -26,10 +26,15 @@ from tests.families_fixtures import (
 from tests.helpers import REPO
 from trainer.config import load_config
 from trainer.data import Sequence, collate
+from trainer.families import mamba as mamba_family
 
 MODELS = {
     "tiny-mamba2": {"model_type": "mamba2", "kernel": "torch-reference", "targets": ["in_proj", "lm_head"]},
-    "tiny-mamba": {"model_type": "mamba", "kernel": "mambapy", "targets": ["in_proj", "x_proj", "lm_head"]},
+    "tiny-mamba": {
+        "model_type": "mamba",
+        "kernel": "mambapy" if mamba_family._mambapy_trains() else "torch-reference",
+        "targets": ["in_proj", "x_proj", "lm_head"],
+    },
 }
 
 
@@ -253,6 +258,9 @@ def test_kernel_path_follows_what_is_installed(monkeypatch, capsys):
     installed = {"mambapy"}
     monkeypatch.setattr(mamba, "_installed", lambda name: name in installed)
     monkeypatch.setattr(mamba, "_fla_usable", lambda: True)
+    monkeypatch.setattr(
+        mamba, "_mambapy_trains", lambda: True
+    )  # a transformers whose mixer trains via mambapy
     assert (mamba.kernel_path(mamba1), mamba.kernel_path(mamba2)) == ("mambapy", "torch-reference")
     assert (
         mamba.quantization_skip(mamba1, None) == ("dt_proj",) and mamba.quantization_skip(mamba2, None) == ()
@@ -314,3 +322,16 @@ def test_example_yaml_runs(tmp_path, monkeypatch, name):
     ]
     assert train(load_config(REPO / "configs" / f"{name}.yaml", overrides)) == 0
     assert sorted(losses(tmp_path / "run")) == [1, 2]
+
+
+def test_mambapy_label_follows_the_installed_mixer():
+    """transformers 5.2x trains Mamba-1 through mamba_inner_fn, never mambapy: the label must say so."""
+    import inspect
+
+    from transformers import MambaConfig
+    from transformers.models.mamba import modeling_mamba
+
+    trains_inner = "mamba_inner_fn" in inspect.unwrap(modeling_mamba.MambaMixer.forward).__code__.co_names
+    assert mamba_family._mambapy_trains() is (not trains_inner)
+    if trains_inner and not torch.cuda.is_available():
+        assert mamba_family.kernel_path(MambaConfig()) == "torch-reference"

@@ -7,7 +7,9 @@ Kernel paths, best first (the ``model_report`` event records which one ran, as `
   so it runs as flash-linear-attention's Triton ``chunk_simple_gla``, the short convolution as fla's
   Triton ``causal_conv1d``. No compiled extension is needed: fla and triton are pure-Python wheels.
 - ``mambapy`` (Mamba-1 without mamba_ssm): the mambapy package's parallel scan, pure PyTorch, about
-  15x faster than the sequential reference loop on a CPU.
+  15x faster than the sequential reference loop on a CPU - but only where transformers' mixer trains
+  through it; transformers 5.2x trains through ``mamba_inner_fn`` and uses mambapy for evaluation and
+  generation only, so training is then labelled ``torch-reference`` (``_mambapy_trains``).
 - ``torch-reference``: transformers' PyTorch code. Fine for tests on a CPU; on a GPU it is slow and,
   for Mamba-2, memory-hungry, so a GPU run on it prints a loud warning.
 
@@ -61,13 +63,25 @@ def _fla_usable() -> bool:
     return all(hasattr(modeling_mamba2, name) and name in called for name in FLA_SWAPPED)
 
 
+def _mambapy_trains() -> bool:
+    """Whether this transformers' Mamba-1 mixer trains through mambapy. From 5.2x it trains through
+    ``mamba_inner_fn`` (mamba_ssm, else transformers' own PyTorch fallback) and passes ``use_mambapy``
+    only on its no-training branch, so mambapy then speeds up evaluation and generation, not training."""
+    try:
+        from transformers.models.mamba import modeling_mamba
+    except ImportError:
+        return False
+    called = inspect.unwrap(modeling_mamba.MambaMixer.forward).__code__.co_names
+    return "mamba_inner_fn" not in called
+
+
 def kernel_path(hf_config) -> str:
     cuda = torch.cuda.is_available()
     if cuda and _installed("mamba_ssm") and _installed("causal_conv1d"):
         return KERNEL_MAMBA_SSM
     if hf_config.model_type == "mamba2" and cuda and _fla_usable():
         return KERNEL_FLA
-    if hf_config.model_type == "mamba" and _installed("mambapy"):
+    if hf_config.model_type == "mamba" and _installed("mambapy") and _mambapy_trains():
         return KERNEL_MAMBAPY
     return KERNEL_REFERENCE
 
@@ -173,7 +187,7 @@ def configure(hf_config, cfg):
         )
     path = kernel_path(hf_config)
     if hf_config.model_type == "mamba":
-        hf_config.use_mambapy = path == KERNEL_MAMBAPY
+        hf_config.use_mambapy = _installed("mambapy") and path != KERNEL_MAMBA_SSM  # at least for evaluation
     if torch.cuda.is_available() and path in (KERNEL_REFERENCE, KERNEL_MAMBAPY):
         print(
             f"WARNING: {hf_config.model_type} is training on a GPU WITHOUT fast kernels ({path}); expect it "
