@@ -7,7 +7,6 @@ symlinks that leave the root cannot name anything.
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
@@ -23,49 +22,14 @@ from .reader import inside
 from .rundata import RunData, read_json_under
 
 MAX_DEPTH = 4
-SKIP_DIRS = (runlog.LOGS_DIR, runlog.BEST_ADAPTER_DIR, "__pycache__", "node_modules")
-
-
-def is_run_folder(path: Path) -> bool:
-    return (path / runlog.RUN_JSON).is_file() or (path / runlog.LOGS_DIR).is_dir()
-
-
-def _walk(folder: Path, root: Path, rel: str, depth: int, found: dict[str, Path], seen: set) -> None:
-    try:
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError:
-        return
-    for entry in entries:
-        name = entry.name
-        if name.startswith(".") or name in SKIP_DIRS or runlog.checkpoint_step(name) is not None:
-            continue
-        try:
-            if not entry.is_dir():
-                continue
-        except OSError:
-            continue
-        path = Path(entry.path)
-        real = os.path.realpath(path)
-        if real in seen or not inside(path, root):
-            continue
-        seen.add(real)
-        child = f"{rel}/{name}" if rel else name
-        if is_run_folder(path):
-            found[child] = path
-        elif depth < MAX_DEPTH:
-            _walk(path, root, child, depth + 1, found, seen)
 
 
 def discover(root: Path) -> dict[str, Path]:
-    """Run folders under ``root`` by name (path relative to root, '/'-separated).
+    """Run folders under ``root`` by name (path relative to root, '/'-separated); links leaving the root are refused.
 
     The root itself may be a run; it is then the only one, named after its folder.
     """
-    if is_run_folder(root):
-        return {root.name or "run": root}
-    found: dict[str, Path] = {}
-    _walk(root, root, "", 1, found, {os.path.realpath(root)})
-    return found
+    return runlog.find_run_folders(root, MAX_DEPTH, keep=lambda path: inside(path, root))
 
 
 def started_at(path: Path, root: Path) -> float:

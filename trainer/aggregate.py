@@ -98,39 +98,9 @@ def best_evaluation(records: list[dict], task: str | None = None) -> dict | None
 # ---------------------------------------------------------------- finding runs
 
 
-def is_run_folder(path: Path) -> bool:
-    return (path / runlog.RUN_JSON).is_file() or (path / runlog.LOGS_DIR).is_dir()
-
-
 def find_run_folders(root: Path) -> list[Path]:
     """Run folders (run.json or logs/) under root, at most MAX_DEPTH levels down; root may be one."""
-    if is_run_folder(root):
-        return [root]
-    found: list[Path] = []
-
-    def walk(folder: Path, depth: int) -> None:
-        try:
-            entries = sorted(os.scandir(folder), key=lambda e: e.name)
-        except OSError:
-            return
-        for entry in entries:
-            name = entry.name
-            if (
-                name.startswith(".")
-                or name == runlog.BEST_ADAPTER_DIR
-                or runlog.checkpoint_step(name) is not None
-            ):
-                continue
-            if not entry.is_dir():
-                continue
-            path = Path(entry.path)
-            if is_run_folder(path):
-                found.append(path)
-            elif depth < MAX_DEPTH:
-                walk(path, depth + 1)
-
-    walk(root, 1)
-    return found
+    return list(runlog.find_run_folders(root, MAX_DEPTH).values())
 
 
 def sweep_jobs(root: Path) -> dict[str, dict]:

@@ -187,3 +187,53 @@ def checkpoint_step(name: str) -> int | None:
         if name.startswith(prefix) and name[len(prefix) :].isdigit():
             return int(name[len(prefix) :])
     return None
+
+
+RUN_SKIP_DIRS = (LOGS_DIR, BEST_ADAPTER_DIR, "__pycache__", "node_modules")
+
+
+def is_run_folder(path: Path) -> bool:
+    """A run folder holds run.json or logs/."""
+    return (path / RUN_JSON).is_file() or (path / LOGS_DIR).is_dir()
+
+
+def find_run_folders(root: Path, max_depth: int = 4, keep=None) -> dict[str, Path]:
+    """Run folders under ``root`` by name (path relative to root, '/'-separated), at most ``max_depth`` down.
+
+    The root itself may be a run: it is then the only one, named after its folder. Hidden folders,
+    checkpoints and logs are not entered; a folder reached twice (symlinks) counts once; ``keep(path)``
+    may refuse a folder (the dashboard refuses links that leave its root).
+    """
+    root = Path(root)
+    if is_run_folder(root):
+        return {root.name or "run": root}
+    found: dict[str, Path] = {}
+    seen = {os.path.realpath(root)}
+
+    def walk(folder: Path, rel: str, depth: int) -> None:
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            return
+        for entry in entries:
+            name = entry.name
+            if name.startswith(".") or name in RUN_SKIP_DIRS or checkpoint_step(name) is not None:
+                continue
+            try:
+                if not entry.is_dir():
+                    continue
+            except OSError:
+                continue
+            path = Path(entry.path)
+            real = os.path.realpath(path)
+            if real in seen or (keep is not None and not keep(path)):
+                continue
+            seen.add(real)
+            child = f"{rel}/{name}" if rel else name
+            if is_run_folder(path):
+                found[child] = path
+            elif depth < max_depth:
+                walk(path, child, depth + 1)
+
+    walk(root, "", 1)
+    return found
