@@ -4,6 +4,7 @@ selection, and the Mamba-2 SSD-as-simple-GLA mapping behind the fla Triton fast 
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -257,11 +258,14 @@ def test_kernel_path_follows_what_is_installed(monkeypatch, capsys):
     mamba1, mamba2 = MambaConfig(), Mamba2Config()
     installed = {"mambapy"}
     monkeypatch.setattr(mamba, "_installed", lambda name: name in installed)
+    monkeypatch.setattr(mamba, "_importable", lambda name: name in installed)
     monkeypatch.setattr(mamba, "_fla_usable", lambda: True)
     monkeypatch.setattr(
         mamba, "_mambapy_trains", lambda: True
     )  # a transformers whose mixer trains via mambapy
     assert (mamba.kernel_path(mamba1), mamba.kernel_path(mamba2)) == ("mambapy", "torch-reference")
+    assert mamba.default_lora_targets(mamba1) == ["in_proj", "x_proj"]
+    assert mamba.default_lora_targets(mamba2) == ["in_proj"]
     assert (
         mamba.quantization_skip(mamba1, None) == ("dt_proj",) and mamba.quantization_skip(mamba2, None) == ()
     )
@@ -277,6 +281,8 @@ def test_kernel_path_follows_what_is_installed(monkeypatch, capsys):
     assert (mamba.kernel_path(mamba1), mamba.kernel_path(mamba2)) == ("mamba_ssm", "mamba_ssm")
     assert mamba.quantization_skip(mamba1, None) == ("dt_proj", "x_proj", "out_proj")
     assert mamba.quantization_skip(mamba2, None) == ("out_proj",)
+    # mamba_inner_fn reads x_proj's weight directly, so the default targets drop it there
+    assert mamba.default_lora_targets(mamba1) == mamba.default_lora_targets(mamba2) == ["in_proj"]
     with pytest.raises(ModelLoadError, match="x_proj would get no gradient"):
         mamba.check_lora(None, mamba1, ["in_proj", "x_proj"])
     mamba.check_lora(None, mamba2, ["in_proj", "x_proj"])
@@ -335,3 +341,41 @@ def test_mambapy_label_follows_the_installed_mixer():
     assert mamba_family._mambapy_trains() is (not trains_inner)
     if trains_inner and not torch.cuda.is_available():
         assert mamba_family.kernel_path(MambaConfig()) == "torch-reference"
+
+
+def test_importable_is_stricter_than_installed(tmp_path, monkeypatch):
+    """A package whose import fails (a mamba_ssm left without its compiled library) is no kernel path."""
+    (tmp_path / "broken_kernels").mkdir()
+    (tmp_path / "broken_kernels" / "__init__.py").write_text("import selective_scan_cuda_missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert mamba_family._installed("broken_kernels") and not mamba_family._importable("broken_kernels")
+    assert mamba_family._importable("json")
+
+
+@pytest.mark.parametrize("model_type", ["mamba2", "mamba"])
+def test_reference_kernels_restore_transformers_pytorch_code(monkeypatch, model_type):
+    """With mamba_ssm installed, transformers binds its kernels at import; the benchmark's baseline and its
+    correctness check need the PyTorch code back for a while, on the same card, then the fast kernels again."""
+    import functools
+
+    module, mixer = mamba_family._modeling(model_type)
+    name = "mamba2_chunk_scan" if model_type == "mamba2" else "mamba_inner_fn"
+    pytorch_version = inspect.unwrap(getattr(module, name))
+
+    @functools.wraps(pytorch_version)
+    def fast_kernel(*args, **kwargs):  # what transformers' wrapper looks like around an installed kernel
+        raise AssertionError("the fast kernel ran inside reference_kernels")
+
+    monkeypatch.setattr(module, name, fast_kernel)
+    with mamba_family.reference_kernels(model_type) as swapped:
+        assert getattr(module, name) is pytorch_version and name in swapped
+        assert "causal_conv1d_fn" in swapped
+    assert getattr(module, name) is fast_kernel
+    if model_type == "mamba2":  # and it undoes the fla swap too
+        for original in ("mamba2_chunk_scan", "causal_conv1d_fn"):
+            monkeypatch.setattr(module, original, getattr(module, original))
+        monkeypatch.setattr(mamba_family, "_REPLACED", {})
+        mamba_family.use_fla_kernels()
+        with mamba_family.reference_kernels(model_type):
+            assert module.mamba2_chunk_scan is pytorch_version
+        assert module.mamba2_chunk_scan is mamba_family.fla_ssd_scan

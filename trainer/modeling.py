@@ -196,11 +196,13 @@ def disable_cpu_bf16_repack(model: torch.nn.Module) -> int:
     return count
 
 
-def lora_targets(cfg: Config, family: Family):
+def lora_targets(cfg: Config, family: Family, hf_config):
+    """The configured targets, else the family's defaults (which may depend on the kernel path)."""
     targets = cfg.lora.target_modules
-    if targets is None:
-        return family.default_lora_targets
-    return targets
+    if targets is not None:
+        return targets
+    defaults = family.default_lora_targets
+    return defaults(hf_config) if callable(defaults) else defaults
 
 
 NEEDS_FULL_PRECISION_INIT = ("pissa", "olora")
@@ -220,10 +222,10 @@ def check_lora_config(cfg: Config, family: Family, hf_config) -> None:
             f"lora.init: {lo.init} factorises the base weights, which training.method qlora keeps in 4-bit; "
             "use training.method lora, or lora.init default or gaussian"
         )
-    family.check_lora(cfg, hf_config, lora_targets(cfg, family))
+    family.check_lora(cfg, hf_config, lora_targets(cfg, family, hf_config))
 
 
-def apply_peft(model, cfg: Config, family: Family):
+def apply_peft(model, cfg: Config, family: Family, hf_config):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if cfg.training.method == "qlora":
@@ -241,7 +243,7 @@ def apply_peft(model, cfg: Config, family: Family):
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
-        target_modules=lora_targets(cfg, family),
+        target_modules=lora_targets(cfg, family, hf_config),
         target_parameters=cfg.lora.target_parameters,
         bias=cfg.lora.bias,
         use_dora=cfg.lora.variant == "dora",
@@ -320,7 +322,7 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
         if cfg.training.method == "lora":
             model.enable_input_require_grads()
     if cfg.training.method in ("lora", "qlora"):
-        model = apply_peft(model, cfg, family)
+        model = apply_peft(model, cfg, family, hf_config)
     report = size_report(model, cfg.training.method)
     report["chunked_loss"] = chunked_loss.enable(model, cfg.memory.chunked_loss)
     report["kernel_path"] = kernel_path

@@ -19,6 +19,8 @@ family turns packing off: one document (or chunk of one) per row, right-padded, 
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
 import inspect
 import math
@@ -43,6 +45,16 @@ def _installed(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
+        return False
+
+
+def _importable(name: str) -> bool:
+    """Whether ``import name`` works. A failed mamba_ssm build can leave the package without its compiled
+    library; transformers then quietly keeps its PyTorch code, so finding the package is not enough."""
+    try:
+        importlib.import_module(name)
+        return True
+    except Exception:  # noqa: BLE001 - ImportError, or a CUDA/ABI error raised while loading the library
         return False
 
 
@@ -77,7 +89,7 @@ def _mambapy_trains() -> bool:
 
 def kernel_path(hf_config) -> str:
     cuda = torch.cuda.is_available()
-    if cuda and _installed("mamba_ssm") and _installed("causal_conv1d"):
+    if cuda and _importable("causal_conv1d") and _importable("mamba_ssm"):
         return KERNEL_MAMBA_SSM
     if hf_config.model_type == "mamba2" and cuda and _fla_usable():
         return KERNEL_FLA
@@ -158,12 +170,55 @@ def fla_causal_conv1d(hidden_states, weight, bias=None, activation=None, cu_seql
     return out.transpose(1, 2)
 
 
+# What use_fla_kernels replaced, so that reference_kernels can put it back.
+_REPLACED: dict[str, object] = {}
+
+
 def use_fla_kernels() -> None:
     """Point transformers' Mamba-2 mixer at the fla functions above (CUDA only, process-wide)."""
     from transformers.models.mamba2 import modeling_mamba2
 
-    modeling_mamba2.mamba2_chunk_scan = fla_ssd_scan
-    modeling_mamba2.causal_conv1d_fn = fla_causal_conv1d
+    for name, fast in zip(FLA_SWAPPED, (fla_ssd_scan, fla_causal_conv1d)):
+        _REPLACED.setdefault(name, getattr(modeling_mamba2, name))
+        setattr(modeling_mamba2, name, fast)
+
+
+def _modeling(model_type: str):
+    """transformers' modeling module and mixer class for this Mamba generation."""
+    if model_type == "mamba2":
+        from transformers.models.mamba2 import modeling_mamba2
+
+        return modeling_mamba2, modeling_mamba2.Mamba2Mixer
+    from transformers.models.mamba import modeling_mamba
+
+    return modeling_mamba, modeling_mamba.MambaMixer
+
+
+@contextlib.contextmanager
+def reference_kernels(model_type: str):
+    """Run the mixer on transformers' own PyTorch code inside this block, whatever kernels it found.
+
+    transformers binds mamba_ssm's and causal_conv1d's functions when it imports the modeling module,
+    wrapping its PyTorch versions (``functools.wraps``, so ``__wrapped__``). For baselines on the same
+    card and for checking a fast path against the reference; process-wide while it lasts.
+    """
+    module, mixer = _modeling(model_type)
+    called = set()
+    for method in vars(mixer).values():
+        if inspect.isfunction(method):
+            called.update(inspect.unwrap(method).__code__.co_names)
+    saved = {}
+    for name in sorted(called):
+        current = getattr(module, name, None)
+        original = _REPLACED.get(name, current) if model_type == "mamba2" else current
+        if inspect.isfunction(original) and hasattr(original, "__wrapped__"):
+            saved[name] = current
+            setattr(module, name, inspect.unwrap(original))
+    try:
+        yield sorted(saved)
+    finally:
+        for name, current in saved.items():
+            setattr(module, name, current)
 
 
 # ---------------------------------------------------------------- the family
@@ -219,12 +274,19 @@ def quantization_skip(hf_config, cfg) -> tuple[str, ...]:
     return ("out_proj",) if fused else ()
 
 
+def default_lora_targets(hf_config) -> list[str]:
+    """in_proj; for Mamba-1 x_proj too, unless mamba_ssm's fused kernel reads x_proj's weight directly."""
+    if hf_config.model_type == "mamba" and kernel_path(hf_config) != KERNEL_MAMBA_SSM:
+        return ["in_proj", "x_proj"]
+    return ["in_proj"]
+
+
 def check_lora(cfg, hf_config, targets) -> None:
     if not isinstance(targets, (list, tuple)):
         if targets == "all-linear":
             raise ModelLoadError(
                 "lora.target_modules: all-linear would include out_proj, which PEFT refuses for Mamba; "
-                f"list modules instead (default: {', '.join(MAMBA.default_lora_targets)})"
+                f"list modules instead (default: {', '.join(default_lora_targets(hf_config))})"
             )
         return
     refused = [t for t in targets if t in PEFT_REFUSED]
@@ -252,8 +314,7 @@ def model_inputs(batch: dict) -> dict:
 MAMBA = Family(
     name="mamba",
     model_types=("mamba", "mamba2"),
-    # PEFT skips names a model lacks, so Mamba-2 (no x_proj) takes the same list.
-    default_lora_targets=["in_proj", "x_proj"],
+    default_lora_targets=default_lora_targets,
     packing=False,
     load=load_mamba,
     model_inputs=model_inputs,
