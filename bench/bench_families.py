@@ -3,11 +3,11 @@
 Rows: GLA (~340M, fla's Triton kernels) with LoRA and DoRA; Mamba-2 (~130M) with LoRA and DoRA on its
 fast path (mamba_ssm if installed, else fla's Triton SSD) and with LoRA on transformers' PyTorch
 reference path, same card and shapes (target: fast >= 20x reference tokens/s); Mamba-1 (~130M) with
-LoRA and DoRA on its best path (mamba_ssm, else mambapy). Random-init weights, random tokens, bf16,
-through the kit's own ``load_for_training`` and ``forward_loss`` (family hooks, PEFT, kernel choice).
-Each row runs in its own subprocess (kernel swaps are process-wide; an OOM stays in its row).
-A row whose kernels are missing is skipped with the reason. Fast rows also check their logits against
-the reference implementation on one small batch (max |difference|, in bf16).
+LoRA and DoRA on its best path (mamba_ssm) and LoRA on the reference path. Random-init weights, random
+tokens, bf16, through the kit's own ``load_for_training`` and ``forward_loss`` (family hooks, PEFT, kernel
+choice). Each row runs in its own subprocess (kernel swaps are process-wide; an OOM stays in its row).
+A row whose kernels are missing is skipped with the reason. Fast rows also check logits and LoRA
+gradients against the reference implementation on one batch, in fp32 (``check``).
 
     python bench/bench_families.py --steps 50 --out $OUT/families.json
     python bench/bench_families.py --only mamba --steps 20 --out /tmp/families.json   # Mamba-2 and Mamba-1
