@@ -257,3 +257,32 @@ def test_example_yaml_runs(tmp_path, monkeypatch):
     ]
     assert train(load_config(REPO / "configs" / "tiny-gla.yaml", overrides)) == 0
     assert sorted(losses(tmp_path / "run")) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("capability", "triton_version", "warned"),
+    [((9, 0), "3.6.0", True), ((9, 0), "3.7.1", False), ((8, 0), "3.6.0", False), ((9, 0), "3.3.1", False)],
+)
+def test_gla_on_hopper_with_a_suspect_triton_is_warned(
+    monkeypatch, capsys, capability, triton_version, warned
+):
+    """fla #640: Triton 3.4 to 3.7.0 miscompiles gated chunk backward kernels on Hopper."""
+    import triton
+
+    from trainer.families import gla
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    cfg = load_config(REPO / "configs" / "tiny-gla.yaml")
+    gla.configure(_gla_config(), cfg)
+    err = capsys.readouterr().err
+    assert ("WARNING: gla's Triton kernels may compute wrong gradients" in err) is warned
+    if warned:
+        assert f"triton {triton_version} on a Hopper GPU (fla issue #640)" in err
+
+
+def _gla_config():
+    from fla.models import GLAConfig
+
+    return GLAConfig(hidden_size=64, num_hidden_layers=1, num_heads=2, vocab_size=128)

@@ -11,6 +11,8 @@ GLA ignores ``position_ids``, so packed rows are cut at document boundaries with
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -44,6 +46,23 @@ def uses_reference_ops() -> bool:
 
 def kernel_path(hf_config) -> str:
     return KERNEL_REFERENCE if uses_reference_ops() else KERNEL_TRITON
+
+
+def hopper_triton_suspect() -> str | None:
+    """Why fla's GLA kernels may train wrong here, or None. Triton >= 3.4, < 3.7.1 miscompiles fla's gated
+    chunk backward on Hopper (fla #640; fla refuses its scalar-gated one there but runs GLA's). On an
+    H100 with Triton 3.6 the kit's fp32 check saw GLA's LoRA gradients 25% off fla's own recurrence
+    (Mamba-2's mamba_ssm kernels: 3%), so a run there is warned, not refused: the cause is not pinned."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return None
+    try:
+        import triton
+        from packaging.version import Version
+    except ImportError:
+        return None
+    if Version("3.4.0") <= Version(triton.__version__) < Version("3.7.1"):
+        return f"triton {triton.__version__} on a Hopper GPU (fla issue #640)"
+    return None
 
 
 # ---------------------------------------------------------------- the CPU path
@@ -167,6 +186,15 @@ def configure(hf_config, cfg):
     # bypassed, so the MLP runs unfused whenever adapters or quantization are involved.
     if cfg.training.method != "full":
         hf_config.fuse_swiglu = False
+    suspect = hopper_triton_suspect()
+    if suspect:
+        print(
+            f"WARNING: gla's Triton kernels may compute wrong gradients with {suspect}: the kit's check saw "
+            "LoRA gradients 25% off fla's reference on an H100 with triton 3.6. Upgrade triton to >= 3.7.1, "
+            "or verify with bench/bench_families.py --only gla (the check column) before trusting a run.",
+            file=sys.stderr,
+            flush=True,
+        )
     if uses_reference_ops():
         # Fused (linear) cross-entropy is CUDA-only; the loop computes its own loss anyway.
         hf_config.fuse_cross_entropy = False
