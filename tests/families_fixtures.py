@@ -172,6 +172,25 @@ def train_steps(model, batch: dict, steps: int = 3, lr: float = 1e-2) -> list[fl
     return seen
 
 
+def check_qlora_gradients(model, batch: dict, expected_tensors: int, every_one_nonzero: bool = True) -> None:
+    """A QLoRA model's LoRA gradients are non-zero, unchanged by an evaluation-style pass first (the
+    platform notes' trap: a no-grad forward must not alter 4-bit state), and a few steps lower the loss."""
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero, which would leave A without gradient
+            torch.nn.init.normal_(param, std=0.02)
+    before = lora_gradients(model, batch)
+    with torch.no_grad():
+        model(input_ids=batch["input_ids"][:, :16])
+    after = lora_gradients(model, batch)
+    assert before.keys() == after.keys() and len(before) == expected_tensors
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=1e-5, atol=1e-7)
+    nonzero = [g.abs().sum() > 0 for g in before.values()]
+    assert all(nonzero) if every_one_nonzero else any(nonzero)
+    seen = train_steps(model, batch)
+    assert seen[-1] < seen[0] - 0.01, seen
+
+
 def check_variant_trains(folder, model_name: str, targets: list[str], variant: str, init: str, method="lora"):
     """load_for_training with this variant, then a few steps: the adapter is the variant asked for, and learns."""
     from trainer.modeling import load_for_training

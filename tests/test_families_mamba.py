@@ -13,16 +13,15 @@ import torch
 from tests.families_fixtures import (
     VARIANTS,
     assert_resumed_exactly,
+    check_qlora_gradients,
     check_variant_trains,
     cli,
     error_line,
     events,
     family_config,
-    lora_gradients,
     small_corpus,
     train_in_process,
     train_killed_and_resumed,
-    train_steps,
 )
 from tests.helpers import REPO
 from trainer.config import load_config
@@ -188,23 +187,8 @@ def test_mamba_qlora_keeps_directly_read_weights_unquantized_and_gradients_right
         }
     else:
         assert kinds == {"in_proj": {True}, "out_proj": {True}, "lm_head": {False}}
-    for name, param in peft_model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.02)
     rows = [Sequence(list(range(4, 40)), list(range(4, 40)), list(range(36))) for _ in range(2)]
-    batch = collate(rows, 0)
-    before = lora_gradients(peft_model, batch)
-    with torch.no_grad():
-        peft_model(
-            input_ids=batch["input_ids"][:, :16]
-        )  # an evaluation-style pass first (platform notes' trap)
-    after = lora_gradients(peft_model, batch)
-    assert before.keys() == after.keys() and len(before) == 2 * 2 * len(targets)
-    for name in before:
-        torch.testing.assert_close(after[name], before[name], rtol=1e-5, atol=1e-7)
-    assert all(g.abs().sum() > 0 for g in before.values())
-    seen = train_steps(peft_model, batch)
-    assert seen[-1] < seen[0] - 0.01, seen
+    check_qlora_gradients(peft_model, collate(rows, 0), expected_tensors=2 * 2 * len(targets))
 
 
 def test_mamba_out_proj_target_is_exit_2_before_loading(tmp_path, capsys, monkeypatch):
