@@ -172,6 +172,22 @@ def train_steps(model, batch: dict, steps: int = 3, lr: float = 1e-2) -> list[fl
     return seen
 
 
+def check_example_yaml_runs(tmp_path, name: str) -> None:
+    """configs/<name>.yaml trains two steps from the repository root, as the README runs it."""
+    from trainer.loop import train
+
+    overrides = [
+        f"paths.output_dir={tmp_path / 'run'}",
+        f"paths.train_file={small_corpus(tmp_path)}",
+        "training.max_steps=2",
+        "data.max_length=32",
+        "eval.at_end=false",
+        "logging.progress_bar=false",
+    ]
+    assert train(load_config(REPO / "configs" / f"{name}.yaml", overrides)) == 0
+    assert sorted(losses(tmp_path / "run")) == [1, 2]
+
+
 def check_qlora_gradients(model, batch: dict, expected_tensors: int, every_one_nonzero: bool = True) -> None:
     """A QLoRA model's LoRA gradients are non-zero, unchanged by an evaluation-style pass first (the
     platform notes' trap: a no-grad forward must not alter 4-bit state), and a few steps lower the loss."""

@@ -12,13 +12,13 @@ from tests.families_fixtures import (
     VARIANTS,
     adapter_tensors,
     assert_resumed_exactly,
+    check_example_yaml_runs,
     check_qlora_gradients,
     check_variant_trains,
     cli,
     error_line,
     events,
     family_config,
-    losses,
     train_in_process,
     train_killed_and_resumed,
 )
@@ -229,20 +229,8 @@ def test_gla_without_fla_is_a_clear_error(monkeypatch):
 
 
 def test_example_yaml_runs(tmp_path, monkeypatch):
-    from tests.families_fixtures import small_corpus
-    from trainer.loop import train
-
     monkeypatch.chdir(REPO)
-    overrides = [
-        f"paths.output_dir={tmp_path / 'run'}",
-        f"paths.train_file={small_corpus(tmp_path)}",
-        "training.max_steps=2",
-        "data.max_length=32",
-        "eval.at_end=false",
-        "logging.progress_bar=false",
-    ]
-    assert train(load_config(REPO / "configs" / "tiny-gla.yaml", overrides)) == 0
-    assert sorted(losses(tmp_path / "run")) == [1, 2]
+    check_example_yaml_runs(tmp_path, "tiny-gla")
 
 
 @pytest.mark.parametrize(

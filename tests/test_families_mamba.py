@@ -13,13 +13,13 @@ import torch
 from tests.families_fixtures import (
     VARIANTS,
     assert_resumed_exactly,
+    check_example_yaml_runs,
     check_qlora_gradients,
     check_variant_trains,
     cli,
     error_line,
     events,
     family_config,
-    small_corpus,
     train_in_process,
     train_killed_and_resumed,
 )
@@ -298,20 +298,8 @@ def test_fla_kernels_replace_only_the_scan_and_conv(monkeypatch):
 
 @pytest.mark.parametrize("name", ["tiny-mamba2", "tiny-mamba"])
 def test_example_yaml_runs(tmp_path, monkeypatch, name):
-    from tests.families_fixtures import losses
-    from trainer.loop import train
-
     monkeypatch.chdir(REPO)
-    overrides = [
-        f"paths.output_dir={tmp_path / 'run'}",
-        f"paths.train_file={small_corpus(tmp_path)}",
-        "training.max_steps=2",
-        "data.max_length=32",
-        "eval.at_end=false",
-        "logging.progress_bar=false",
-    ]
-    assert train(load_config(REPO / "configs" / f"{name}.yaml", overrides)) == 0
-    assert sorted(losses(tmp_path / "run")) == [1, 2]
+    check_example_yaml_runs(tmp_path, name)
 
 
 def test_mambapy_label_follows_the_installed_mixer():
