@@ -351,3 +351,21 @@ def test_reference_kernels_restore_transformers_pytorch_code(monkeypatch, model_
         with mamba_family.reference_kernels(model_type):
             assert module.mamba2_chunk_scan is pytorch_version
         assert module.mamba2_chunk_scan is mamba_family.fla_ssd_scan
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"), [("tiny-mamba", {"in_proj", "x_proj"}), ("tiny-mamba2", {"in_proj"})]
+)
+def test_unset_targets_take_the_family_defaults_for_this_kernel_path(tmp_path, model, expected):
+    """lora.target_modules unset: the loaded model gets LoRA where the family's defaults say (off the
+    mamba_ssm path Mamba-1 also takes x_proj), and nowhere else."""
+    from trainer.modeling import load_for_training
+
+    cfg = load_config(family_config(tmp_path, model, None))
+    peft_model = load_for_training(cfg, torch.device("cpu")).model
+    wrapped = {
+        name.split(".lora_A.")[0].split(".")[-1]
+        for name, _ in peft_model.named_parameters()
+        if ".lora_A." in name
+    }
+    assert wrapped == expected

@@ -225,7 +225,7 @@ def check_lora_config(cfg: Config, family: Family, hf_config) -> None:
     family.check_lora(cfg, hf_config, lora_targets(cfg, family, hf_config))
 
 
-def apply_peft(model, cfg: Config, family: Family, hf_config):
+def apply_peft(model, cfg: Config, family: Family):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if cfg.training.method == "qlora":
@@ -243,7 +243,7 @@ def apply_peft(model, cfg: Config, family: Family, hf_config):
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
-        target_modules=lora_targets(cfg, family, hf_config),
+        target_modules=lora_targets(cfg, family, model.config),
         target_parameters=cfg.lora.target_parameters,
         bias=cfg.lora.bias,
         use_dora=cfg.lora.variant == "dora",
@@ -322,7 +322,7 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
         if cfg.training.method == "lora":
             model.enable_input_require_grads()
     if cfg.training.method in ("lora", "qlora"):
-        model = apply_peft(model, cfg, family, hf_config)
+        model = apply_peft(model, cfg, family)
     report = size_report(model, cfg.training.method)
     report["chunked_loss"] = chunked_loss.enable(model, cfg.memory.chunked_loss)
     report["kernel_path"] = kernel_path

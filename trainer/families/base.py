@@ -51,7 +51,7 @@ class Family:
 
     name: str
     model_types: tuple[str, ...]
-    default_lora_targets: Any
+    default_lora_targets: Any  # a list, or a function of the model config (Mamba's follow the kernel path)
     packing: bool
     load: Callable[..., Any]
     lora_variants: tuple[str, ...] = ("lora", "dora", "rslora")

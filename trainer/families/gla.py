@@ -55,9 +55,10 @@ def hopper_triton_suspect() -> str | None:
     (Mamba-2's mamba_ssm kernels: 3%), so a run there is warned, not refused: the cause is not pinned."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         return None
+    from packaging.version import Version
+
     try:
         import triton
-        from packaging.version import Version
     except ImportError:
         return None
     if Version("3.4.0") <= Version(triton.__version__) < Version("3.7.1"):
