@@ -152,6 +152,8 @@ class MemoryConfig:
 @dataclass
 class PerformanceConfig:
     tf32: bool = True
+    # CUDA fast path for causal LMs (trainer/fastpath): auto takes it where it applies, on insists, off never.
+    fast_path: Literal["auto", "on", "off"] = "auto"
     dataloader_num_workers: int = 0  # threads that tokenize the data at start-up (rows then stay in memory)
     pin_memory: bool = False
     torch_threads: int = 0

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer import checkpoints as ckpt
-from trainer import chunked_loss, runlog
+from trainer import chunked_loss, fastpath, runlog
 from trainer.config import Config, dump_config
 from trainer.data import IGNORE, Sequence, collate, epoch_order, prepare_data
 from trainer.evaluate import count_targets, evaluate_generation, evaluate_loss, load_task, resolve_metric
@@ -184,6 +184,8 @@ def forward_loss(model, batch: dict, accelerator):
     from trainer.families import family_inputs
 
     inputs = {k: v.to(accelerator.device) for k, v in family_inputs(model, batch).items()}
+    if fastpath.enabled(model):  # CUDA fast path: fused linear cross-entropy (trainer/fastpath)
+        return fastpath.forward_loss(model, inputs, batch["labels"], accelerator.autocast)
     if chunked_loss.enabled(model):  # memory.chunked_loss: no full fp32 logits (trainer/chunked_loss.py)
         head = chunked_loss.output_head(model)
         with accelerator.autocast():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import chunked_loss
+from trainer import chunked_loss, fastpath
 from trainer.config import Config
 from trainer.families import Family, ModelLoadError, family_for
 from trainer.moe_quant import QuantizedExpertWeights, quantize_fused_experts
@@ -225,10 +225,16 @@ def check_lora_config(cfg: Config, family: Family, hf_config) -> None:
     family.check_lora(cfg, hf_config, lora_targets(cfg, family, hf_config))
 
 
-def apply_peft(model, cfg: Config, family: Family):
+def apply_peft(model, cfg: Config, family: Family, upcast_for_kbit: bool = True):
+    """LoRA on ``model``. QLoRA's usual preparation upcasts every 16-bit parameter to fp32; the CUDA fast
+    path (``upcast_for_kbit=False``) keeps them 16-bit, as its fused kernels accumulate in fp32 anyway."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if cfg.training.method == "qlora":
+    if cfg.training.method == "qlora" and not upcast_for_kbit:
+        model.requires_grad_(False)
+        if cfg.memory.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif cfg.training.method == "qlora":
         model = prepare_model_for_kbit_training(
             model,
             use_gradient_checkpointing=cfg.memory.gradient_checkpointing,
@@ -306,6 +312,7 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
         check_lora_config(cfg, family, hf_config)
     kernel_path = family.kernel_path(hf_config)
     print(f"kernels: {family.name}/{model_type} runs on {kernel_path}", flush=True)
+    fast = family.name == "causal" and fastpath.wanted(cfg.performance.fast_path, device)
     model = load_base_model(cfg, family, hf_config, device)
     if cfg.training.method == "qlora" and cfg.quantization.quantize_experts:
         if cfg.lora.target_parameters:
@@ -322,8 +329,13 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
         if cfg.training.method == "lora":
             model.enable_input_require_grads()
     if cfg.training.method in ("lora", "qlora"):
-        model = apply_peft(model, cfg, family)
+        model = apply_peft(model, cfg, family, upcast_for_kbit=not fast)
     report = size_report(model, cfg.training.method)
-    report["chunked_loss"] = chunked_loss.enable(model, cfg.memory.chunked_loss)
+    fast_report = fastpath.apply(model, cfg.performance.fast_path if fast else "off", device)
+    report["fast_path"] = fast_report.as_dict()
+    if fast_report.enabled:
+        print(f"fast path: {fast_report.as_dict()}", flush=True)
+    fused = fast_report.fused_loss
+    report["chunked_loss"] = chunked_loss.enable(model, cfg.memory.chunked_loss and not fused)
     report["kernel_path"] = kernel_path
     return LoadedModel(model=model, tokenizer=tokenizer, family=family, model_type=model_type, report=report)

@@ -1,0 +1,275 @@
+"""Where a training step's milliseconds go, fast path against reference, on one GPU.
+
+Loads the model through the trainer's own ``load_for_training`` (so the fast path is exactly what a run
+gets), runs warm-up steps, times steps with CUDA events, then profiles steps with torch.profiler and
+prints kernel time by category. ``--check`` also compares the fast path with the reference on the same
+weights and batch: the fused autograd functions in fp32, and the bf16 loss and LoRA gradients of the model.
+
+    python bench/profile_fast_path.py --model DIR --method lora --gc --fast auto --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+CATEGORIES = [
+    ("dequant (NF4)", r"dequant|kDequantize"),
+    ("attention", r"flash|fmha|attention|sdpa|efficient_attention"),
+    ("loss (CE)", r"cross_entropy|liger_cross|_ce_|log_softmax|nll_loss|element_mul_kernel"),
+    ("norm", r"rms_norm|rmsnorm|layer_norm|_rms_"),
+    ("rope", r"rope|rotary"),
+    ("swiglu / act", r"swiglu|silu|gelu"),
+    ("gemm", r"gemm|sm90_xmma|cutlass|nvjet|cublas|matmul|gemv|splitKreduce"),
+    ("copy / cast", r"copy|cast|to_copy|convert|CatArrayBatched|fill"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("elementwise", r"elementwise|vectorized|reduce|unrolled"),
+]
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+def make_cfg(args, out: Path):
+    import yaml
+
+    from trainer.config import load_config
+
+    cfg = {
+        "paths": {"output_dir": str(out), "train_file": str(Path(__file__).resolve().parent.parent / "data" / "tiny_corpus.jsonl")},
+        "model": {"name_or_path": args.model, "random_init": True},
+        "training": {"method": args.method, "mixed_precision": "bf16", "micro_batch_size": args.batch},
+        "lora": {"r": 16, "alpha": 32, "dropout": 0.0,
+                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+        "quantization": {"compute_dtype": "bf16"},
+        "memory": {"gradient_checkpointing": args.gc},
+        "performance": {"fast_path": args.fast},
+    }  # fmt: skip
+    path = out / f"{args.method}-{args.fast}.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return load_config(path)
+
+
+class Accel:
+    def __init__(self, device):
+        self.device = device
+
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+
+
+def build(args, out, fast):
+    from trainer.modeling import load_for_training
+
+    args.fast = fast
+    cfg = make_cfg(args, out)
+    torch.manual_seed(0)
+    loaded = load_for_training(cfg, torch.device("cuda"))
+    model = loaded.model.cuda() if next(loaded.model.parameters()).device.type != "cuda" else loaded.model
+    model.train()
+    return model, loaded.report
+
+
+def batch_of(args, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 32000, (args.batch, args.seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+def step(model, opt, batch, accel):
+    from trainer.loop import forward_loss
+
+    ce, aux = forward_loss(model, batch, accel)
+    tokens = (batch["labels"][:, 1:] != -100).sum()
+    (ce / tokens).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(ce) / float(tokens)
+
+
+def time_and_profile(args, out):
+    model, report = build(args, out, args.fast)
+    accel = Accel(torch.device("cuda"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    for i in range(3):
+        step(model, opt, batch_of(args, i), accel)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(args.steps):
+        b = batch_of(args, 100 + i)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        losses.append(step(model, opt, b, accel))
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    med = sorted(times)[len(times) // 2]
+    row = {
+        "name": f"{args.method}{'+gc' if args.gc else ''} fast={args.fast}",
+        "step_s": round(med, 4),
+        "tokens_per_sec": round(args.batch * args.seq / med),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "fast_path": report.get("fast_path"),
+        "losses": [round(x, 4) for x in losses],
+    }
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for i in range(2):
+                step(model, opt, batch_of(args, 200 + i), accel)
+            torch.cuda.synchronize()
+        by_cat = defaultdict(float)
+        by_kernel = defaultdict(float)
+        for evt in prof.key_averages():
+            if evt.device_type.name != "CUDA":  # kernels only; CPU ops would count their kernels twice
+                continue
+            t = evt.self_device_time_total / 1000 / 2  # ms per step
+            by_cat[category(evt.key)] += t
+            by_kernel[evt.key[:90]] += t
+        row["profile_ms_per_step"] = {
+            k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])
+        }
+        row["top_kernels"] = {
+            k: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]
+        }
+        row["gpu_busy_ms"] = round(sum(by_cat.values()), 1)
+        if args.trace:
+            prof.export_chrome_trace(str(out / f"trace-{args.method}-{args.fast}.json"))
+    del model, opt
+    torch.cuda.empty_cache()
+    return row
+
+
+def check_functions():
+    """The fused autograd functions against eager PyTorch on the GPU, fp32 (TF32 off) and with a 4-bit base."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbf
+
+    from trainer.fastpath.lora_ops import BaseWeight, lora_linear, lora_mlp
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    dev = "cuda"
+    res = {}
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    # 4-bit base, fp32 compute
+    w = torch.randn(512, 256, device=dev) * 0.05
+    q, st = bnbf.quantize_4bit(w, quant_type="nf4", compress_statistics=True, quant_storage=torch.uint8)
+    st.dtype = torch.float32
+    p4 = bnb.nn.Params4bit(q, requires_grad=False, quant_state=st, bnb_quantized=True, quant_type="nf4")
+    dense = bnbf.dequantize_4bit(q, st).float()
+    a = (torch.randn(16, 256, device=dev) * 0.1).requires_grad_()
+    b = (torch.randn(512, 16, device=dev) * 0.1).requires_grad_()
+    x = torch.randn(4, 64, 256, device=dev, requires_grad=True)
+    y = lora_linear(x, a, b, BaseWeight(p4, None), 2.0)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    mine = [y.detach(), x.grad, a.grad, b.grad]
+    x.grad = a.grad = b.grad = None
+    ref = x @ dense.t() + 2.0 * (x @ a.t()) @ b.t()
+    ref.backward(gy)
+    res["lora_linear_nf4_fp32"] = max(rel(m, r) for m, r in zip(mine, [ref.detach(), x.grad, a.grad, b.grad]))
+    # SwiGLU block with Liger's kernels
+    ws = [torch.randn(1024, 256, device=dev) * 0.05, torch.randn(1024, 256, device=dev) * 0.05,
+          torch.randn(256, 1024, device=dev) * 0.05]  # fmt: skip
+    lo = [((torch.randn(16, w.shape[1], device=dev) * 0.1).requires_grad_(),
+           (torch.randn(w.shape[0], 16, device=dev) * 0.1).requires_grad_()) for w in ws]  # fmt: skip
+    x = torch.randn(4, 64, 256, device=dev, requires_grad=True)
+    parts = [(a_, b_, BaseWeight(w_, None), 2.0) for (a_, b_), w_ in zip(lo, ws)]
+    y = lora_mlp(x, *parts)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    leaves = [x] + [t for pr in lo for t in pr]
+    mine = [y.detach()] + [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+
+    def proj(inp, i):
+        (a_, b_), w_ = lo[i], ws[i]
+        return inp @ w_.t() + 2.0 * (inp @ a_.t()) @ b_.t()
+
+    ref = proj(torch.nn.functional.silu(proj(x, 0)) * proj(x, 1), 2)
+    ref.backward(gy)
+    res["lora_mlp_liger_fp32"] = max(
+        rel(m, r) for m, r in zip(mine, [ref.detach()] + [t.grad for t in leaves])
+    )
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return {k: float(f"{v:.3g}") for k, v in res.items()}
+
+
+def check_model(args, out):
+    """bf16 loss and LoRA gradients, reference then fast path, same weights and batch (reference first: Liger
+    patches RoPE module-wide)."""
+    grads, losses = {}, {}
+    for fast in ("off", "auto"):
+        model, _ = build(args, out, fast)
+        accel = Accel(torch.device("cuda"))
+        from trainer.loop import forward_loss
+
+        batch = batch_of(args, 7)
+        torch.manual_seed(1)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.data.normal_(
+                    0, 0.02, generator=torch.Generator(device=p.device).manual_seed(hash(n) % 2**31)
+                )
+        ce, _ = forward_loss(model, batch, accel)
+        tokens = (batch["labels"][:, 1:] != -100).sum()
+        (ce / tokens).backward()
+        losses[fast] = float(ce / tokens)
+        grads[fast] = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+        del model
+        torch.cuda.empty_cache()
+    rels = [float((grads["auto"][n] - grads["off"][n]).norm() / grads["off"][n].norm()) for n in grads["off"]]
+    return {
+        "loss_ref": round(losses["off"], 5),
+        "loss_fast": round(losses["auto"], 5),
+        "grad_rel_err_median": round(sorted(rels)[len(rels) // 2], 5),
+        "grad_rel_err_max": round(max(rels), 5),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--method", default="lora")
+    p.add_argument("--gc", action="store_true")
+    p.add_argument("--fast", default="auto")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--trace", action="store_true")
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--out", default="/tmp/profile")
+    args = p.parse_args()
+    out = Path(args.out)
+    started = time.time()
+    if args.check:
+        print("CHECK", json.dumps({"functions": check_functions(), **check_model(args, out)}), flush=True)
+    else:
+        print("ROW", json.dumps(time_and_profile(args, out)), flush=True)
+    print(f"[{time.time() - started:.0f}s]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The CUDA fast path for causal LMs: fused kernels, LoRA-aware autograd and a loss that never builds logits.
+
+The loop takes it by itself on CUDA (``performance.fast_path: auto``); CPU runs, other families and
+anything it cannot handle keep the reference path, which stays the one it is tested against.
+
+What it does to a loaded (PEFT-wrapped) model, each piece only where it applies:
+- Liger's RMSNorm, RoPE and SwiGLU kernels for the model types Liger knows (``liger_kernel``);
+- every plain-LoRA projection as one autograd node, 4-bit bases dequantized into a reused buffer
+  (``lora_ops``, ``patch``), and gate/up/down SwiGLU blocks as one node that recomputes the activation;
+- the next-token loss through Liger's fused linear cross-entropy (the head and the loss in chunks, the
+  gradient computed in the forward), where the logits are exactly ``lm_head(hidden)``;
+- for QLoRA, no fp32 upcast of norms and embeddings (``prepare_model_for_kbit_training`` does that for
+  the reference path; it costs memory and bandwidth and the kernels compute in fp32 inside anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trainer import chunked_loss
+from trainer.families import ModelLoadError
+from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_swiglu_mlps
+
+IGNORE = -100
+ENABLED_ATTRIBUTE = "_kit_fast_path"
+MODES = ("auto", "on", "off")
+
+
+class FastPathUnavailable(ModelLoadError):
+    """``performance.fast_path: on`` was asked for where it cannot run."""
+
+
+@dataclass
+class FastPathReport:
+    enabled: bool
+    reason: str = ""
+    liger_kernels: bool = False
+    fused_loss: bool = False
+    lora_modules_fused: int = 0
+    lora_modules_reference: int = 0
+    mlp_blocks_fused: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the fast path cannot run here (None when it can): no CUDA, or no liger-kernel/triton."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    try:
+        import liger_kernel.ops.swiglu  # noqa: F401
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # noqa: F401
+    except ImportError as exc:
+        return f"liger-kernel is not importable ({exc}); pip install liger-kernel"
+    return None
+
+
+def wanted(mode: str, device: torch.device) -> bool:
+    """Decided before the model is built (QLoRA preparation differs); raises when 'on' cannot be met."""
+    if mode == "off":
+        return False
+    reason = unavailable_reason(device)
+    if reason and mode == "on":
+        raise FastPathUnavailable(f"performance.fast_path: on, but {reason}")
+    return reason is None
+
+
+def _apply_liger(model) -> bool:
+    """Liger's norm, RoPE and SwiGLU kernels on this model instance (its loss patches stay off: ours is used)."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    base = chunked_loss.unwrap(model)
+    base = getattr(base, "get_base_model", lambda: base)()
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(getattr(base.config, "model_type", None))
+    if apply is None:
+        return False
+    with _quiet_liger():
+        apply(model=base, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+              fused_linear_cross_entropy=False)  # fmt: skip
+    return True
+
+
+@contextlib.contextmanager
+def _quiet_liger():
+    import logging
+
+    logger = logging.getLogger("liger_kernel")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def apply(model, mode: str, device: torch.device) -> FastPathReport:
+    """Put the fast path on ``model`` where ``mode`` and the device allow; the report says what was done."""
+    target = chunked_loss.unwrap(model)
+    if not wanted(mode, device):
+        setattr(target, ENABLED_ATTRIBUTE, False)
+        return FastPathReport(
+            enabled=False, reason=unavailable_reason(device) or "performance.fast_path: off"
+        )
+    report = FastPathReport(enabled=True)
+    report.liger_kernels = _apply_liger(model)
+    # MLP blocks first: their projections then stay on the block's function, not the per-module one.
+    report.mlp_blocks_fused = patch_swiglu_mlps(model)
+    report.lora_modules_fused, report.lora_modules_reference = patch_lora_linears(model)
+    head = chunked_loss.output_head(model)
+    report.fused_loss = (
+        chunked_loss.supports_chunked_loss(model) and type(head) is torch.nn.Linear and head.bias is None
+    )
+    setattr(target, ENABLED_ATTRIBUTE, report.fused_loss)
+    if report.lora_modules_fused == 0 and lora_module_count(model) == 0:
+        report.reason = "no LoRA modules (full fine-tuning): kernels and loss only"
+    return report
+
+
+def enabled(model) -> bool:
+    """True when the loss of this model goes through the fused linear cross-entropy."""
+    return bool(getattr(chunked_loss.unwrap(model), ENABLED_ATTRIBUTE, False))
+
+
+def fused_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy of ``hidden`` (B x T x H) through ``head``, never building the logits."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    labels = labels[:, 1:].reshape(-1).to(hidden.device)
+    keep = labels != IGNORE  # prompt and padding tokens need no logits at all
+    hidden, labels = hidden[keep], labels[keep]
+    if labels.numel() == 0:
+        return hidden.sum() * 0.0
+    weight = head.weight.to(hidden.dtype) if head.weight.dtype != hidden.dtype else head.weight
+    return liger_fused_linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE, reduction="sum")
+
+
+def forward_loss(model, inputs: dict, labels: torch.Tensor, autocast) -> tuple[torch.Tensor, object]:
+    """The fast path's half of the loop's forward_loss: (summed CE, router aux loss or None)."""
+    head = chunked_loss.output_head(model)
+    with autocast():
+        with chunked_loss.head_bypassed(head):
+            out = model(**inputs, use_cache=False)
+        hidden = out.logits.reshape(*labels.shape, -1)
+    ce_sum = fused_cross_entropy(head, hidden, labels)
+    return ce_sum, getattr(out, "aux_loss", None)
+
+
+def reference_cross_entropy(head, hidden, labels) -> torch.Tensor:
+    """The same quantity computed the plain way (tests and the GPU check compare against it)."""
+    logits = head(hidden[:, :-1]).float()
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )

@@ -1,0 +1,194 @@
+"""LoRA-aware autograd: the frozen base weight and the LoRA pair in one function, saving only what backward needs.
+
+PEFT computes ``base(x) + B(A(dropout(x))) * s`` as separate modules: the LoRA branch writes a full
+(tokens x out) tensor, scales it, adds it, and autograd keeps the pieces. Here the LoRA product is folded
+into the base GEMM's output with one ``addmm_`` (scale in its ``alpha``), the backward accumulates the input
+gradient the same way, and a 4-bit weight is dequantized into a buffer reused by every layer of that shape
+instead of a fresh allocation per use. ``lora_mlp`` does the same for a gate/up/down SwiGLU block and keeps
+only the block's input and the two pre-activation tensors: the activation product is recomputed in backward.
+
+Maths (W: out x in, A: r x in, B: out x r, s: scale, x: N x in):
+    y  = x W^T + s (x A^T) B^T
+    dx = dy W + s (dy B) A,   dA = s (dy B)^T x,   dB = s dy^T (x A^T)
+
+Every function here runs on CPU too (eager elementwise ops instead of Liger's Triton SwiGLU), which is how
+the tests check them against PEFT's own forward and autograd in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class BaseWeight:
+    """The frozen weight of a projection: a plain tensor, or a bitsandbytes 4-bit parameter to dequantize."""
+
+    __slots__ = ("weight", "bias", "quantized")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight = weight
+        self.bias = bias
+        self.quantized = getattr(weight, "quant_state", None) is not None
+
+    def materialize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as a dense (out x in) tensor of ``dtype``; 4-bit weights land in a shared buffer."""
+        if not self.quantized:
+            return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
+        import bitsandbytes.functional as bnbf
+
+        state = self.weight.quant_state
+        if self.weight.device.type == "cuda":  # bitsandbytes' CPU backend has no out= variant
+            out = _dequant_buffer(tuple(state.shape), state.dtype, self.weight.device)
+            dense = bnbf.dequantize_4bit(self.weight.data, state, out=out)
+        else:
+            dense = bnbf.dequantize_4bit(self.weight.data, state)
+        return dense if dense.dtype == dtype else dense.to(dtype)
+
+
+_BUFFERS: dict[tuple, torch.Tensor] = {}
+
+
+def _dequant_buffer(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One buffer per (shape, dtype, device): layers run one after another on one stream, so they can share it.
+
+    The dequantized weight is never saved for backward (backward dequantizes again), so reuse is safe.
+    """
+    key = (shape, dtype, str(device))
+    buffer = _BUFFERS.get(key)
+    if buffer is None:
+        buffer = _BUFFERS[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buffer
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the matmuls run in: autocast's where it is on (as PEFT's modules would get), else x's."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def _forward(x2: torch.Tensor, base: BaseWeight, a: torch.Tensor, b: torch.Tensor, scale: float):
+    """y = x W^T (+ bias) + s (x A^T) B^T; returns y and x A^T (kept for dB)."""
+    w = base.materialize(x2.dtype)
+    if base.bias is not None:
+        y = torch.addmm(base.bias.to(x2.dtype), x2, w.t())
+    else:
+        y = x2 @ w.t()
+    xa = x2 @ a.t()
+    y.addmm_(xa, b.t(), alpha=scale)
+    return y, xa
+
+
+def _backward(dy: torch.Tensor, x2, xa, base: BaseWeight, a, b, scale: float, need_dx: bool):
+    """Gradients of one LoRA projection: dx (or None), dA, dB, all in the compute dtype."""
+    dyb = (dy @ b).mul_(scale)  # N x r
+    grad_a = dyb.t() @ x2
+    grad_b = dy.t() @ (xa * scale)
+    grad_x = None
+    if need_dx:
+        grad_x = dy @ base.materialize(dy.dtype)
+        grad_x.addmm_(dyb, a)
+    return grad_x, grad_a, grad_b
+
+
+class LoraLinearFunction(torch.autograd.Function):
+    """One LoRA projection (base frozen, possibly 4-bit) as a single autograd node."""
+
+    @staticmethod
+    def forward(ctx, x, a_weight, b_weight, base: BaseWeight, scale: float, dtype: torch.dtype):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(dtype)
+        a, b = a_weight.to(dtype), b_weight.to(dtype)
+        y, xa = _forward(x2, base, a, b, scale)
+        ctx.save_for_backward(x2, xa, a, b)
+        ctx.base, ctx.scale, ctx.shape = base, scale, shape
+        ctx.param_dtypes = (a_weight.dtype, b_weight.dtype)
+        ctx.x_dtype = x.dtype
+        return y.view(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, xa, a, b = ctx.saved_tensors
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
+        grad_x, grad_a, grad_b = _backward(dy, x2, xa, ctx.base, a, b, ctx.scale, ctx.needs_input_grad[0])
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.shape).to(ctx.x_dtype)
+        return grad_x, grad_a.to(ctx.param_dtypes[0]), grad_b.to(ctx.param_dtypes[1]), None, None, None
+
+
+def lora_linear(x: torch.Tensor, a_weight, b_weight, base: BaseWeight, scale: float) -> torch.Tensor:
+    return LoraLinearFunction.apply(x, a_weight, b_weight, base, scale, compute_dtype(x))
+
+
+# ------------------------------------------------------------------ SwiGLU MLP
+
+
+def _swiglu(e: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    if e.is_cuda:
+        from liger_kernel.ops.swiglu import swiglu_forward
+
+        return swiglu_forward(e, g)[2]
+    return F.silu(e) * g
+
+
+def _swiglu_backward(e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor):
+    """(de, dg) of h = silu(e) * g; on CUDA Liger's kernel writes them over e and g (no new buffers)."""
+    if e.is_cuda:
+        from liger_kernel.ops.swiglu import swiglu_backward
+
+        return swiglu_backward(e, g, dh)
+    sig = torch.sigmoid(e)
+    silu = e * sig
+    return dh * g * (sig * (1 + e * (1 - sig))), dh * silu
+
+
+class LoraMLPFunction(torch.autograd.Function):
+    """down(silu(gate(x)) * up(x)) with LoRA on all three projections; saves x, gate(x), up(x) only."""
+
+    @staticmethod
+    def forward(ctx, x, ga, gb, ua, ub, da, db, bases, scales, dtype):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(dtype)
+        gate_base, up_base, down_base = bases
+        lo = [w.to(dtype) for w in (ga, gb, ua, ub, da, db)]
+        e, xa_g = _forward(x2, gate_base, lo[0], lo[1], scales[0])
+        g, xa_u = _forward(x2, up_base, lo[2], lo[3], scales[1])
+        h = _swiglu(e, g)
+        out, ha_d = _forward(h, down_base, lo[4], lo[5], scales[2])
+        del h
+        ctx.save_for_backward(x2, e, g, xa_g, xa_u, ha_d, *lo)
+        ctx.bases, ctx.scales, ctx.shape, ctx.x_dtype = bases, scales, shape, x.dtype
+        ctx.param_dtypes = tuple(w.dtype for w in (ga, gb, ua, ub, da, db))
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, e, g, xa_g, xa_u, ha_d, ga, gb, ua, ub, da, db = ctx.saved_tensors
+        gate_base, up_base, down_base = ctx.bases
+        s_g, s_u, s_d = ctx.scales
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
+        h = _swiglu(e, g)  # recomputed: one (tokens x intermediate) tensor not kept between passes
+        dh, grad_da, grad_db = _backward(dy, h, ha_d, down_base, da, db, s_d, True)
+        del h
+        de, dg = _swiglu_backward(e, g, dh)
+        del dh
+        need_dx = ctx.needs_input_grad[0]
+        dx, grad_ga, grad_gb = _backward(de, x2, xa_g, gate_base, ga, gb, s_g, need_dx)
+        dx_up, grad_ua, grad_ub = _backward(dg, x2, xa_u, up_base, ua, ub, s_u, need_dx)
+        if dx is not None:
+            dx.add_(dx_up)
+            dx = dx.view(ctx.shape).to(ctx.x_dtype)
+        grads = (grad_ga, grad_gb, grad_ua, grad_ub, grad_da, grad_db)
+        grads = tuple(gr.to(dt) for gr, dt in zip(grads, ctx.param_dtypes))
+        return (dx, *grads, None, None, None)
+
+
+def lora_mlp(x, gate, up, down) -> torch.Tensor:
+    """``gate``/``up``/``down``: (A weight, B weight, BaseWeight, scale) for each projection."""
+    bases = (gate[2], up[2], down[2])
+    scales = (gate[3], up[3], down[3])
+    return LoraMLPFunction.apply(
+        x, gate[0], gate[1], up[0], up[1], down[0], down[1], bases, scales, compute_dtype(x)
+    )

@@ -1,0 +1,118 @@
+"""Route eligible PEFT LoRA modules through the fused autograd functions of ``lora_ops``.
+
+A module is eligible when it computes exactly ``base(x) + B(A(x)) * s``: one active adapter, plain LoRA
+(no DoRA or other variant), no dropout, no LoRA bias, not merged, and a base that is a plain ``nn.Linear``
+or a bitsandbytes ``Linear4bit``. Anything else keeps PEFT's own forward, module by module, so a model
+is never half-wrong: at worst it is half-fast. The patch is an instance attribute (``forward``), so
+``state_dict``, ``save_pretrained`` and merging see the same modules as before.
+"""
+
+from __future__ import annotations
+
+import types
+
+from torch import nn
+
+from trainer.fastpath.lora_ops import BaseWeight, lora_linear, lora_mlp
+
+PATCHED = "_kit_fast_lora"
+
+
+def _base_linear(module) -> nn.Module | None:
+    base = getattr(module, "base_layer", None)
+    if type(base) is nn.Linear:
+        return base
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return None
+    if isinstance(base, bnb.nn.Linear4bit):
+        return base
+    return None
+
+
+def lora_parts(module) -> tuple | None:
+    """(A weight, B weight, BaseWeight, scale) when ``module`` is a plain-LoRA Linear, else None."""
+    if not hasattr(module, "lora_A") or getattr(module, "merged", False) or module.disable_adapters:
+        return None
+    active = list(module.active_adapters)
+    if len(active) != 1:
+        return None
+    name = active[0]
+    if name not in module.lora_A or name in getattr(module, "lora_variant", {}):
+        return None
+    if getattr(module, "use_dora", {}).get(name, False):
+        return None
+    dropout = module.lora_dropout[name]
+    if not isinstance(dropout, nn.Identity) and not (isinstance(dropout, nn.Dropout) and dropout.p == 0):
+        return None
+    lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+    if type(lora_a) is not nn.Linear or type(lora_b) is not nn.Linear or lora_b.bias is not None:
+        return None
+    base = _base_linear(module)
+    if base is None:
+        return None
+    return lora_a.weight, lora_b.weight, BaseWeight(base.weight, base.bias), float(module.scaling[name])
+
+
+def _fast_linear_forward(self, x, *args, **kwargs):
+    if args or kwargs:  # adapter_names and other per-call options: PEFT's own path
+        return type(self).forward(self, x, *args, **kwargs)
+    parts = lora_parts(self)
+    if parts is None:  # adapters disabled or merged since patching
+        return type(self).forward(self, x)
+    return lora_linear(x, *parts)
+
+
+def patch_lora_linears(model: nn.Module) -> tuple[int, int]:
+    """Patch every eligible LoRA Linear; returns (patched, LoRA modules left on PEFT's forward)."""
+    patched = skipped = 0
+    for module in model.modules():
+        if not hasattr(module, "lora_A") or not hasattr(module, "base_layer"):
+            continue
+        if lora_parts(module) is None:
+            skipped += 1
+            continue
+        module.forward = types.MethodType(_fast_linear_forward, module)
+        setattr(module, PATCHED, True)
+        patched += 1
+    return patched, skipped
+
+
+def _is_silu(act) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ in {"SiLUActivation", "SiLU"}
+
+
+def _fast_mlp_forward(self, x):
+    parts = [lora_parts(getattr(self, name)) for name in ("gate_proj", "up_proj", "down_proj")]
+    if any(p is None for p in parts):
+        return type(self).forward(self, x)
+    return lora_mlp(x, *parts)
+
+
+def patch_swiglu_mlps(model: nn.Module) -> int:
+    """Patch gate/up/down SwiGLU blocks whose three projections are all eligible LoRA modules."""
+    count = 0
+    for module in model.modules():
+        names = ("gate_proj", "up_proj", "down_proj")
+        if not all(hasattr(module, n) for n in names) or not _is_silu(getattr(module, "act_fn", None)):
+            continue
+        if any(lora_parts(getattr(module, n)) is None for n in names):
+            continue
+        module.forward = types.MethodType(_fast_mlp_forward, module)
+        count += 1
+    return count
+
+
+def unpatch(model: nn.Module) -> None:
+    """Back to the classes' forwards (used by the reference comparison in the benchmark and tests)."""
+    for module in model.modules():
+        if "forward" in module.__dict__ and getattr(module.__dict__["forward"], "__func__", None) in (
+            _fast_linear_forward,
+            _fast_mlp_forward,
+        ):
+            del module.forward
+
+
+def lora_module_count(model: nn.Module) -> int:
+    return sum(1 for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer"))
