@@ -50,7 +50,7 @@ def make_cfg(args, out: Path):
 
     cfg = {
         "paths": {"output_dir": str(out), "train_file": str(Path(__file__).resolve().parent.parent / "data" / "tiny_corpus.jsonl")},
-        "model": {"name_or_path": args.model, "random_init": True},
+        "model": {"name_or_path": args.model, "random_init": not (Path(args.model) / "model.safetensors").exists()},
         "training": {"method": args.method, "mixed_precision": "bf16", "micro_batch_size": args.batch},
         "lora": {"r": 16, "alpha": 32, "dropout": 0.0,
                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
@@ -149,6 +149,19 @@ def time_and_profile(args, out):
             k: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]
         }
         row["gpu_busy_ms"] = round(sum(by_cat.values()), 1)
+        cpu_ops = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
+        row["kernel_launches_per_step"] = (
+            sum(
+                e.count
+                for e in cpu_ops
+                if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+            )
+            // 2
+        )
+        row["top_cpu_self_ms"] = {
+            e.key[:60]: round(e.self_cpu_time_total / 1000 / 2, 2)
+            for e in sorted(cpu_ops, key=lambda e: -e.self_cpu_time_total)[:15]
+        }
         if args.trace:
             prof.export_chrome_trace(str(out / f"trace-{args.method}-{args.fast}.json"))
     del model, opt
@@ -261,9 +274,20 @@ def main():
     p.add_argument("--trace", action="store_true")
     p.add_argument("--check", action="store_true")
     p.add_argument("--out", default="/tmp/profile")
+    p.add_argument("--save-model", action="store_true")
     args = p.parse_args()
     out = Path(args.out)
     started = time.time()
+    if args.save_model:  # random-init once, in bf16: every later process loads it in seconds
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        cfg = AutoConfig.from_pretrained(args.model)
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.save_pretrained(args.model)
+        print(f"saved {args.model} in {time.time() - started:.0f}s", flush=True)
+        return
     if args.check:
         print("CHECK", json.dumps({"functions": check_functions(), **check_model(args, out)}), flush=True)
     else:

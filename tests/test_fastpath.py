@@ -172,3 +172,16 @@ def test_fast_path_on_without_cuda_is_a_one_line_config_error(write_config):
     result = run_trainer("train", "--config", str(config))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "performance.fast_path: on, but not a CUDA device" in result.stderr
+
+
+def test_lora_weights_are_cast_once_until_the_optimizer_changes_them():
+    from trainer.fastpath.lora_ops import cast
+
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    first = cast(param, torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and cast(param, torch.bfloat16) is first
+    param.grad = torch.ones_like(param)
+    torch.optim.SGD([param], lr=0.1).step()  # an in-place update bumps the version
+    second = cast(param, torch.bfloat16)
+    assert second is not first and torch.equal(second, param.detach().to(torch.bfloat16))
+    assert cast(param, torch.float32) is param

@@ -61,6 +61,22 @@ def _dequant_buffer(shape: tuple, dtype: torch.dtype, device: torch.device) -> t
     return buffer
 
 
+def cast(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``param`` in ``dtype``, cast once per optimizer step: the copy is kept until the parameter changes.
+
+    fp32 LoRA weights would otherwise be cast at every forward, recompute and backward (six small kernels
+    per projection per step, which is what bounds a step when the GPU work is already short).
+    """
+    if param.dtype == dtype:
+        return param
+    cached = getattr(param, "_kit_cast", None)
+    if cached is not None and cached[0] == param._version and cached[1] == dtype:
+        return cached[2]
+    copy = param.detach().to(dtype)
+    param._kit_cast = (param._version, dtype, copy)
+    return copy
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the matmuls run in: autocast's where it is on (as PEFT's modules would get), else x's."""
     device_type = x.device.type
@@ -100,7 +116,7 @@ class LoraLinearFunction(torch.autograd.Function):
     def forward(ctx, x, a_weight, b_weight, base: BaseWeight, scale: float, dtype: torch.dtype):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(dtype)
-        a, b = a_weight.to(dtype), b_weight.to(dtype)
+        a, b = cast(a_weight, dtype), cast(b_weight, dtype)
         y, xa = _forward(x2, base, a, b, scale)
         ctx.save_for_backward(x2, xa, a, b)
         ctx.base, ctx.scale, ctx.shape = base, scale, shape
@@ -152,7 +168,7 @@ class LoraMLPFunction(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(dtype)
         gate_base, up_base, down_base = bases
-        lo = [w.to(dtype) for w in (ga, gb, ua, ub, da, db)]
+        lo = [cast(w, dtype) for w in (ga, gb, ua, ub, da, db)]
         e, xa_g = _forward(x2, gate_base, lo[0], lo[1], scales[0])
         g, xa_u = _forward(x2, up_base, lo[2], lo[3], scales[1])
         h = _swiglu(e, g)

@@ -15,7 +15,7 @@ from torch import nn
 
 from trainer.fastpath.lora_ops import BaseWeight, lora_linear, lora_mlp
 
-PATCHED = "_kit_fast_lora"
+PARTS = "_kit_lora_parts"
 
 
 def _base_linear(module) -> nn.Module | None:
@@ -55,12 +55,22 @@ def lora_parts(module) -> tuple | None:
     return lora_a.weight, lora_b.weight, BaseWeight(base.weight, base.bias), float(module.scaling[name])
 
 
+def cached_parts(module) -> tuple | None:
+    """``lora_parts`` worked out once per active adapter: the forward runs thousands of times a step."""
+    if module.disable_adapters or module.merged:
+        return None
+    key = tuple(module.active_adapters)
+    cached = module.__dict__.get(PARTS)
+    if cached is None or cached[0] != key:
+        cached = (key, lora_parts(module))
+        module.__dict__[PARTS] = cached
+    return cached[1]
+
+
 def _fast_linear_forward(self, x, *args, **kwargs):
-    if args or kwargs:  # adapter_names and other per-call options: PEFT's own path
+    parts = None if args or kwargs else cached_parts(self)
+    if parts is None:  # adapter_names or other per-call options, adapters disabled or merged: PEFT's path
         return type(self).forward(self, x, *args, **kwargs)
-    parts = lora_parts(self)
-    if parts is None:  # adapters disabled or merged since patching
-        return type(self).forward(self, x)
     return lora_linear(x, *parts)
 
 
@@ -74,7 +84,6 @@ def patch_lora_linears(model: nn.Module) -> tuple[int, int]:
             skipped += 1
             continue
         module.forward = types.MethodType(_fast_linear_forward, module)
-        setattr(module, PATCHED, True)
         patched += 1
     return patched, skipped
 
@@ -84,7 +93,7 @@ def _is_silu(act) -> bool:
 
 
 def _fast_mlp_forward(self, x):
-    parts = [lora_parts(getattr(self, name)) for name in ("gate_proj", "up_proj", "down_proj")]
+    parts = [cached_parts(getattr(self, name)) for name in ("gate_proj", "up_proj", "down_proj")]
     if any(p is None for p in parts):
         return type(self).forward(self, x)
     return lora_mlp(x, *parts)
@@ -112,6 +121,7 @@ def unpatch(model: nn.Module) -> None:
             _fast_mlp_forward,
         ):
             del module.forward
+        module.__dict__.pop(PARTS, None)
 
 
 def lora_module_count(model: nn.Module) -> int:
