@@ -120,7 +120,7 @@ def time_and_profile(args, out):
         times.append(start.elapsed_time(end) / 1000)
     med = sorted(times)[len(times) // 2]
     row = {
-        "name": f"{args.method}{'+gc' if args.gc else ''} fast={args.fast}",
+        "name": f"{args.method}{'+gc' if args.gc else ''} fast={args.fast} norm={args.norm}",
         "step_s": round(med, 4),
         "tokens_per_sec": round(args.batch * args.seq / med),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -275,9 +275,18 @@ def main():
     p.add_argument("--check", action="store_true")
     p.add_argument("--out", default="/tmp/profile")
     p.add_argument("--save-model", action="store_true")
+    p.add_argument(
+        "--norm", choices=["liger", "torch"], default="liger", help="RMSNorm kernel on the fast path"
+    )
     args = p.parse_args()
     out = Path(args.out)
     started = time.time()
+    if args.norm != "liger":
+        import functools
+
+        from trainer import fastpath
+
+        fastpath.apply = functools.partial(fastpath.apply, rms_norm=args.norm)
     if args.save_model:  # random-init once, in bf16: every later process loads it in seconds
         from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -185,3 +185,19 @@ def test_lora_weights_are_cast_once_until_the_optimizer_changes_them():
     second = cast(param, torch.bfloat16)
     assert second is not first and torch.equal(second, param.detach().to(torch.bfloat16))
     assert cast(param, torch.float32) is param
+
+
+def test_torch_rms_norm_matches_the_models_own():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.fastpath import use_torch_rms_norm
+
+    torch.manual_seed(4)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "configs" / "tiny-llama"))
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.weight.data.uniform_(0.5, 1.5)
+    ids = torch.randint(3, 1024, (2, 16))
+    reference = model(ids).logits
+    assert use_torch_rms_norm(model) == 2 * 2 + 1
+    assert rel_err(model(ids).logits, reference) < 1e-5

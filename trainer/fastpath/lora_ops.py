@@ -97,14 +97,18 @@ def _forward(x2: torch.Tensor, base: BaseWeight, a: torch.Tensor, b: torch.Tenso
     return y, xa
 
 
-def _backward(dy: torch.Tensor, x2, xa, base: BaseWeight, a, b, scale: float, need_dx: bool):
-    """Gradients of one LoRA projection: dx (or None), dA, dB, all in the compute dtype."""
+def _backward(dy: torch.Tensor, x2, xa, base: BaseWeight, a, b, scale: float, need_dx: bool, into=None):
+    """Gradients of one LoRA projection: dx (or None), dA, dB, all in the compute dtype.
+
+    ``into``: an input gradient to accumulate onto (two projections of one input), in the GEMM's epilogue.
+    """
     dyb = (dy @ b).mul_(scale)  # N x r
     grad_a = dyb.t() @ x2
     grad_b = dy.t() @ (xa * scale)
     grad_x = None
     if need_dx:
-        grad_x = dy @ base.materialize(dy.dtype)
+        w = base.materialize(dy.dtype)
+        grad_x = dy @ w if into is None else into.addmm_(dy, w)
         grad_x.addmm_(dyb, a)
     return grad_x, grad_a, grad_b
 
@@ -192,9 +196,8 @@ class LoraMLPFunction(torch.autograd.Function):
         del dh
         need_dx = ctx.needs_input_grad[0]
         dx, grad_ga, grad_gb = _backward(de, x2, xa_g, gate_base, ga, gb, s_g, need_dx)
-        dx_up, grad_ua, grad_ub = _backward(dg, x2, xa_u, up_base, ua, ub, s_u, need_dx)
+        dx, grad_ua, grad_ub = _backward(dg, x2, xa_u, up_base, ua, ub, s_u, need_dx, into=dx)
         if dx is not None:
-            dx.add_(dx_up)
             dx = dx.view(ctx.shape).to(ctx.x_dtype)
         grads = (grad_ga, grad_gb, grad_ua, grad_ub, grad_da, grad_db)
         grads = tuple(gr.to(dt) for gr, dt in zip(grads, ctx.param_dtypes))
