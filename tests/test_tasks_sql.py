@@ -53,6 +53,8 @@ def test_gold_queries_score_perfectly_and_all_run(task):
         "exact_match": 1.0,
         "execution_accuracy": 1.0,
         "unparsed": 0,
+        "too_long": 0,
+        "too_deep": 0,
         "exec_errors": 0,
         "timeouts": 0,
         "gold_errors": 0,

@@ -26,6 +26,9 @@ def register(subparsers) -> None:
     parser.add_argument("--task-data-dir", help="GLUE download folder or Spider folder")
     parser.add_argument("--split", help="task split (default: validation)")
     parser.add_argument("--max-examples", type=int, help="evaluate on the first N task examples")
+    parser.add_argument(
+        "--sql-timeout-s", type=float, help="seconds one SQL query may run (spider; eval.sql_timeout_s)"
+    )
     parser.add_argument("--no-loss", action="store_true", help="skip the validation loss")
     parser.set_defaults(func=run)
 
@@ -44,6 +47,7 @@ def run(args) -> int:
         ("task_data_dir", "task_data_dir"),
         ("split", "task_split"),
         ("max_examples", "task_max_examples"),
+        ("sql_timeout_s", "sql_timeout_s"),
     ):
         value = getattr(args, flag)
         if value is not None:
