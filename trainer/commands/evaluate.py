@@ -54,9 +54,19 @@ def run(args) -> int:
             args.overrides.append(f"eval.{key}={value}")
     cfg = load_config_from_args(args)
     results = evaluate_checkpoint(cfg, checkpoint, with_loss=not args.no_loss)
-    (checkpoint / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results, indent=2))
+    text = json.dumps(_finite(results), indent=2, allow_nan=False)
+    (checkpoint / "eval_results.json").write_text(text + "\n")
+    print(text)
     return 0
+
+
+def _finite(results: dict) -> dict:
+    """NaN/inf (an undefined loss) as null, named in ``nonfinite``, as the run folder's logs write them."""
+    from trainer.runlog import clean_value
+
+    nonfinite: list[str] = []
+    cleaned = clean_value(results, "", nonfinite)
+    return {**cleaned, "nonfinite": nonfinite} if nonfinite else cleaned
 
 
 def evaluate_checkpoint(cfg, checkpoint: Path, with_loss: bool = True) -> dict:
