@@ -369,7 +369,7 @@ def validate(config: Config) -> None:
     _require(e.generation_batch_size > 0, "eval.generation_batch_size: expected > 0")
     _require(
         0 < e.sql_timeout_s < float("inf"),
-        f"eval.sql_timeout_s: expected a number of seconds > 0, got {e.sql_timeout_s}",
+        f"eval.sql_timeout_s: expected a finite number of seconds > 0, got {e.sql_timeout_s}",
     )
     _require(config.notify.stall_minutes > 0, "notify.stall_minutes: expected > 0")
     if e.task is not None:

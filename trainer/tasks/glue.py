@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 STSB_RANGE = (0.0, 5.0)
 STSB_FALLBACK = 2.5  # an unreadable STS-B answer scores as the middle of the scale (and is counted)
 HF_DATASET = "nyu-mll/glue"
+MAX_ANSWER_CHARS = 4096  # where the search for a label word stops
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ SPECS: dict[str, GlueSpec] = {
 
 
 # "not", "never" or "-n't" right before a label word, one word allowed between ("not really acceptable").
-_NEGATION = r"(?P<negation>(?:\b(?:not|never)|n['\u2019]t)\s+(?:\w+\s+)?)?"
+_NEGATED = re.compile(r"(?:\b(?:not|never)|n['\u2019]t)\s+(?:\w+\s+)?\Z", re.IGNORECASE)
 
 
 def parse_label(text: str, words: tuple[str, ...], synonyms: dict[str, int] | None = None) -> int | None:
@@ -105,11 +106,11 @@ def parse_label(text: str, words: tuple[str, ...], synonyms: dict[str, int] | No
     """
     ids = {w.lower(): i for i, w in enumerate(words)}
     ids.update({w.lower(): i for w, i in (synonyms or {}).items()})
-    alternatives = "|".join(re.escape(w) for w in sorted(ids, key=len, reverse=True))
-    pattern = _NEGATION + r"\b(?P<word>" + alternatives + r")\b"
+    pattern = r"\b(" + "|".join(re.escape(w) for w in sorted(ids, key=len, reverse=True)) + r")\b"
     for match in re.finditer(pattern, text, flags=re.IGNORECASE):
-        label = ids[match.group("word").lower()]
-        if match.group("negation") is None:
+        label = ids[match.group(1).lower()]
+        before = text[max(0, match.start() - 64) : match.start()]
+        if _NEGATED.search(before) is None:
             return label
         if len(words) == 2:
             return 1 - label
@@ -280,7 +281,12 @@ class GlueTask(Task):
         return " " + self.spec.label_words[example["label"]]
 
     def parse(self, text: str) -> int | float | None:
-        """The label (or STS-B score) an answer names, None when it names none."""
+        """The label (or STS-B score) an answer names, None when it names none.
+
+        Only the first ``MAX_ANSWER_CHARS`` are read: an answer is a word or a number, and a
+        runaway generation must not cost more than that.
+        """
+        text = text[:MAX_ANSWER_CHARS]
         if self.spec.labels is None:
             return parse_score(text)
         return parse_label(text, self.spec.label_words, self.spec.synonyms)
