@@ -357,9 +357,14 @@ def test_a_non_finite_stsb_gold_score_is_refused_with_file_and_line(glue_dir, ba
 
 def test_a_non_finite_stsb_gold_score_from_the_hub_is_refused(monkeypatch):
     datasets = pytest.importorskip("datasets")
-    rows = [{"sentence1": "a", "sentence2": "b", "label": 3.0}, {"sentence1": "c", "sentence2": "d", "label": math.nan}]
+    rows = [
+        {"sentence1": "a", "sentence2": "b", "label": 3.0},
+        {"sentence1": "c", "sentence2": "d", "label": math.nan},
+    ]
     monkeypatch.setattr(datasets, "load_dataset", lambda path, name, split: rows)
-    with pytest.raises(TaskDataError, match=r"nyu-mll/glue stsb row 1: gold label nan is not a finite number"):
+    with pytest.raises(
+        TaskDataError, match=r"nyu-mll/glue stsb row 1: gold label nan is not a finite number"
+    ):
         get_task("stsb").load("validation")
 
 

@@ -245,8 +245,13 @@ def test_comments_anywhere_are_ignored(predicted):
 
 
 def test_a_comment_marker_inside_quotes_is_text():
-    assert canonical("SELECT a FROM t WHERE b = '--x' AND c = 1") == canonical("SELECT a FROM t WHERE b = 1 AND c = 2")
-    assert extract_sql("SELECT a FROM t WHERE b = '/* x' AND c = 1 -- ok") == "SELECT a FROM t WHERE b = '/* x' AND c = 1"
+    assert canonical("SELECT a FROM t WHERE b = '--x' AND c = 1") == canonical(
+        "SELECT a FROM t WHERE b = 1 AND c = 2"
+    )
+    assert (
+        extract_sql("SELECT a FROM t WHERE b = '/* x' AND c = 1 -- ok")
+        == "SELECT a FROM t WHERE b = '/* x' AND c = 1"
+    )
 
 
 @pytest.mark.parametrize(

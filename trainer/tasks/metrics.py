@@ -92,7 +92,7 @@ def average_ranks(values: Sequence[float]) -> list[float]:
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Spearman's rho: Pearson's r of the average ranks, so ties count as scipy counts them (NaN as pearson)."""
+    """Spearman's rho: Pearson's r of the average ranks, so ties count as scipy counts them."""
     _check_lengths(xs, ys)
     if not all(math.isfinite(v) for v in (*xs, *ys)):
         return math.nan  # NaN has no rank

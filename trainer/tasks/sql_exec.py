@@ -42,7 +42,11 @@ class SqliteRunner:
     """Runs queries on ``<db_root>/<db_id>/<db_id>.sqlite`` (Spider's layout), one connection per database."""
 
     def __init__(
-        self, db_root: str | Path, timeout_s: float = 5.0, max_rows: int = 100_000, max_values: int = 1_000_000
+        self,
+        db_root: str | Path,
+        timeout_s: float = 5.0,
+        max_rows: int = 100_000,
+        max_values: int = 1_000_000,
     ):
         self.db_root = Path(db_root)
         self.timeout_s = timeout_s

@@ -28,7 +28,7 @@ class SqlParseError(ValueError):
 
 
 class SqlTooComplex(SqlParseError):
-    """The query is beyond the matcher's limits; ``reason`` (``too_long``, ``too_deep``) is what gets counted."""
+    """The query is beyond the matcher's limits; ``reason`` (``too_long``, ``too_deep``) gets counted."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
@@ -73,7 +73,7 @@ _UNRESOLVED = ("?",)  # the table of a bare column that no table in scope claims
 
 
 def tokenize(sql: str) -> list[str]:
-    """Lower-cased tokens with every literal replaced by ``value`` and comments dropped; raises on stray characters."""
+    """Lower-cased tokens, literals replaced by ``value``, comments dropped; raises on stray characters."""
     tokens: list[str] = []
     pos, text = 0, sql.strip()
     while pos < len(text):

@@ -183,7 +183,8 @@ class SpiderTask(Task):
         return " " + example["query"].strip()
 
     def score(self, predictions: list[str], examples: list[dict]) -> dict[str, float]:
-        """``exact_match`` and ``execution_accuracy``, plus counts of unreadable, refused, failing and timed-out predictions."""
+        """``exact_match`` and ``execution_accuracy``, plus counts of unreadable, refused, failing and
+        timed-out predictions."""
         self._check_aligned(predictions, examples)
         counts = dict.fromkeys(
             ("exact_match", "execution_accuracy", "unparsed", *REFUSALS, "exec_errors", "timeouts"), 0
