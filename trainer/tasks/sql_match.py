@@ -19,7 +19,7 @@ import re
 
 Schema = dict[str, set[str]]  # table name -> column names, all lower case
 
-MAX_SQL_CHARS = 10_000  # Spider's longest gold query is under 600 characters
+MAX_SQL_CHARS = 10_000  # many times the length of any Spider gold query
 MAX_DEPTH = 32  # parentheses; SQLite's own parser gives up on subqueries nested about 20 deep
 
 
