@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
+import time
 
+import pytest
 import yaml
 
+import trainer.commands.evaluate
 from tests.helpers import run_trainer
-from trainer import runlog
+from trainer import cli, runlog
+from trainer.config import ConfigError, load_config
+from trainer.evaluate import load_task
 from trainer.runlog import iter_records
 from trainer.tasks.sql_example import write_example_spider
 
@@ -80,3 +86,46 @@ def test_evaluate_verb_scores_a_checkpoint_on_spider(write_config, tmp_path):
 def test_unknown_task_is_a_config_error(write_config):
     result = run_trainer("train", "--config", str(write_config({"eval": {"task": "sst3"}})))
     assert result.returncode == 2 and "eval.task: expected one of cola, sst2" in result.stderr
+
+
+NEVER_ENDS = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+
+
+def test_the_sql_timeout_comes_from_the_config(write_config, tmp_path):
+    spider = write_example_spider(tmp_path / "spider")
+    config = write_config({"eval": {"task": "spider", "task_data_dir": str(spider), "sql_timeout_s": 0.2}})
+    task, examples = load_task(load_config(config))
+    assert task.timeout_s == 0.2
+    start = time.monotonic()
+    result = task.score([" " + NEVER_ENDS], examples[:1])
+    assert result["timeouts"] == 1 and time.monotonic() - start < 3  # not the default 5 s
+    assert load_task(load_config(config, ["eval.sql_timeout_s=1.5"]))[0].timeout_s == 1.5
+    assert load_config(write_config()).eval.sql_timeout_s == 5.0
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", ".nan", ".inf"])
+def test_the_sql_timeout_must_be_a_positive_number_of_seconds(write_config, bad):
+    with pytest.raises(ConfigError, match=r"^eval.sql_timeout_s: expected a finite number of seconds > 0"):
+        load_config(write_config(), [f"eval.sql_timeout_s={bad}"])
+
+
+def test_evaluate_verb_passes_the_sql_timeout_and_writes_nan_as_null(write_config, tmp_path, monkeypatch):
+    config = write_config()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    seen = {}
+
+    def fake_evaluate(cfg, checkpoint, with_loss=True):
+        seen["timeout"] = cfg.eval.sql_timeout_s
+        return {"checkpoint": str(checkpoint), "eval_loss": math.nan, "metrics": {"pearson": None}}
+
+    monkeypatch.setattr(trainer.commands.evaluate, "evaluate_checkpoint", fake_evaluate)
+    argv = ["evaluate", "--checkpoint", str(checkpoint), "--config", str(config), "--sql-timeout-s", "0.25"]
+    assert cli.main(argv) == 0
+    assert seen["timeout"] == 0.25
+
+    def refuse(constant):
+        raise AssertionError(f"bare {constant} in JSON")
+
+    written = json.loads((checkpoint / "eval_results.json").read_text(), parse_constant=refuse)
+    assert written["eval_loss"] is None and written["nonfinite"] == ["eval_loss"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -67,6 +68,14 @@ def test_undefined_correlation_is_zero_not_nan():
     # scipy returns NaN for a constant input; 0.0 keeps best-checkpoint comparisons well-defined.
     assert metrics.pearson([2.5, 2.5, 2.5], [1.0, 2.0, 3.0]) == 0.0
     assert metrics.spearman([1.0, 2.0, 3.0], [4.0, 4.0, 4.0]) == 0.0
+
+
+def test_correlation_over_a_non_finite_value_is_undefined_not_perfect():
+    # max(-1, min(1, nan)) is 1.0: a NaN anywhere used to read as a perfect correlation.
+    for xs, ys in [([math.nan, 1.0, 2.0], [1.0, 2.0, 3.0]), ([1.0, math.inf, 2.0], [1.0, 2.0, 3.0])]:
+        assert math.isnan(metrics.pearson(xs, ys))
+        assert math.isnan(metrics.spearman(ys, xs))
+    assert math.isnan(metrics.pearson([1e200, 1.0, 2.0], [1.0, 2.0, 3.0]))  # squares overflow
 
 
 def test_metrics_refuse_misaligned_inputs():
@@ -231,6 +240,34 @@ def test_prompts_name_the_texts_and_end_where_the_answer_starts(glue_dir):
     assert cola.prompt(cola.load("validation")[1]).startswith("Sentence: They drank the pub.\n")
 
 
+@pytest.mark.parametrize(
+    "task, answer, label",
+    [
+        ("cola", " not acceptable", 0),
+        ("cola", " The sentence is not grammatically acceptable.", 0),
+        ("cola", " It isn't acceptable", 0),
+        ("cola", " not unacceptable", 1),
+        ("sst2", " not positive", 0),
+        ("rte", " not entailment", 1),
+        ("rte", " not_entailment", 1),
+        ("rte", " entailment", 0),
+        ("rte", " No", 1),
+        ("qnli", " Not entailment.", 1),
+        ("wnli", " not_entailment", 0),
+        ("mrpc", " not equivalent", 0),
+        ("mrpc", " equivalent", 1),
+        ("mrpc", " no", 0),
+        ("qqp", " not a duplicate", 0),
+        ("qqp", " no, not a duplicate", 0),
+        ("qqp", " yes, duplicates", 1),
+        ("mnli", " not entailment", None),  # three labels: a negation names none of them
+        ("mnli", " not entailment but neutral", 1),
+    ],
+)
+def test_negated_label_words_read_as_the_other_label(task, answer, label):
+    assert get_task(task).parse(answer) == label
+
+
 def test_parse_label_takes_the_first_whole_label_word_in_any_case():
     words = ("unacceptable", "acceptable")
     assert parse_label(" Unacceptable.", words) == 0
@@ -294,6 +331,41 @@ def test_stsb_scores_pearson_and_spearman_with_a_counted_fallback(glue_dir):
     assert result["pearson"] == pytest.approx(scipy.stats.pearsonr(golds, preds)[0])
     assert result["spearman"] == pytest.approx(scipy.stats.spearmanr(golds, preds)[0])
     assert task.target(examples[1]) == " 4.75"
+
+
+def test_an_undefined_correlation_is_reported_as_undefined(glue_dir):
+    task = get_task("stsb", glue_dir)
+    examples = [dict(e) for e in task.load("validation")]
+    examples[0]["label"] = math.nan  # a gold file the loader would refuse, handed to score directly
+    result = task.score([" 4.8", " 4", " 5", " 1.5"], examples)
+    assert result["pearson"] is None and result["spearman"] is None
+    assert result["undefined"].startswith("pearson, spearman: ")
+
+
+@pytest.mark.parametrize("bad", ["nan", "NaN", "inf", "-inf"])
+def test_a_non_finite_stsb_gold_score_is_refused_with_file_and_line(glue_dir, bad):
+    path = glue_dir / "STS-B" / "dev.tsv"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    lines[3] = lines[3].rsplit("\t", 1)[0] + "\t" + bad
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(TaskDataError) as error:
+        get_task("stsb", glue_dir).load("validation")
+    message = str(error.value)
+    assert message.startswith(f"{path}:4: gold score ") and "not a finite number" in message
+    assert "\n" not in message
+
+
+def test_a_non_finite_stsb_gold_score_from_the_hub_is_refused(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    rows = [
+        {"sentence1": "a", "sentence2": "b", "label": 3.0},
+        {"sentence1": "c", "sentence2": "d", "label": math.nan},
+    ]
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, name, split: rows)
+    with pytest.raises(
+        TaskDataError, match=r"nyu-mll/glue stsb row 1: gold label nan is not a finite number"
+    ):
+        get_task("stsb").load("validation")
 
 
 def test_missing_data_says_where_it_looked(tmp_path, glue_dir):

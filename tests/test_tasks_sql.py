@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+import tracemalloc
 
 import pytest
 
@@ -53,6 +54,8 @@ def test_gold_queries_score_perfectly_and_all_run(task):
         "exact_match": 1.0,
         "execution_accuracy": 1.0,
         "unparsed": 0,
+        "too_long": 0,
+        "too_deep": 0,
         "exec_errors": 0,
         "timeouts": 0,
         "gold_errors": 0,
@@ -184,6 +187,96 @@ def test_unreadable_predictions_do_not_match_and_do_not_raise(bad):
     assert exact_set_match(bad, "SELECT name FROM singer") is False
 
 
+def nested(depth: int) -> str:
+    """A subquery nested ``depth`` deep: each level adds one pair of parentheses."""
+    query = "SELECT name FROM singer"
+    for _ in range(depth):
+        query = f"SELECT name FROM singer WHERE singer_id IN ({query})"
+    return query
+
+
+def measured(fn, *args):
+    """``fn(*args)``, its wall time and its peak of traced memory in bytes."""
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        result = fn(*args)
+        return result, time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_canonical_forms_grow_linearly_with_nesting():
+    # The old string forms embedded repr() of each level, re-escaped at every level: 24 deep took
+    # 134 MB and 2.4 s, 60 deep ended the process.
+    query = nested(24)
+    assert canonical(query) == canonical(query.lower())
+    matched, seconds, peak = measured(exact_set_match, query, query)
+    assert matched and seconds < 1.0 and peak < 5_000_000
+    assert not exact_set_match(nested(24), nested(23))
+
+
+def test_queries_beyond_the_limits_are_refused_with_a_reason():
+    from trainer.tasks.sql_match import MAX_DEPTH, MAX_SQL_CHARS, SqlTooComplex
+
+    with pytest.raises(SqlTooComplex, match="nested deeper than") as deep:
+        canonical(nested(MAX_DEPTH + 1))
+    assert deep.value.reason == "too_deep"
+    long = "SELECT name FROM singer WHERE name = '" + "x" * MAX_SQL_CHARS + "'"
+    with pytest.raises(SqlTooComplex, match="characters") as too_long:
+        canonical(long)
+    assert too_long.value.reason == "too_long"
+    assert not exact_set_match(long, "SELECT name FROM singer")
+    assert not exact_set_match(nested(200), nested(3))
+
+
+@pytest.mark.parametrize(
+    "predicted",
+    [
+        "SELECT name FROM singer -- the names",
+        "SELECT name -- the names\nFROM singer",
+        "SELECT name /* the names; all of them */ FROM singer",
+        "SELECT name FROM singer /* unterminated",
+        "SELECT /* a */ name FROM singer -- b",
+    ],
+)
+def test_comments_anywhere_are_ignored(predicted):
+    assert exact_set_match(predicted, "SELECT name FROM singer")
+
+
+def test_a_comment_marker_inside_quotes_is_text():
+    assert canonical("SELECT a FROM t WHERE b = '--x' AND c = 1") == canonical(
+        "SELECT a FROM t WHERE b = 1 AND c = 2"
+    )
+    assert (
+        extract_sql("SELECT a FROM t WHERE b = '/* x' AND c = 1 -- ok")
+        == "SELECT a FROM t WHERE b = '/* x' AND c = 1"
+    )
+
+
+@pytest.mark.parametrize(
+    "dangling",
+    [
+        "SELECT name FROM singer JOIN",
+        "SELECT name FROM singer AS",
+        "SELECT name FROM singer AS T1 JOIN",
+        "SELECT name FROM singer LEFT JOIN",
+        "SELECT name FROM singer JOIN concert ON",
+        "SELECT name FROM singer ,",
+        "SELECT name FROM singer JOIN JOIN concert",
+        "SELECT name FROM singer ORDER BY name LIMIT 1 OFFSET",
+        "SELECT name FROM singer WHERE singer_id IN (SELECT singer_id FROM concert JOIN)",
+    ],
+)
+def test_sql_ending_in_a_dangling_keyword_is_no_match(dangling, spider):
+    with sqlite3.connect(spider / "database" / "concert_singer" / "concert_singer.sqlite") as conn:
+        with pytest.raises(sqlite3.OperationalError):  # SQLite rejects it too
+            conn.execute(dangling)
+    with pytest.raises(SqlParseError):
+        canonical(dangling)
+    assert not exact_set_match(dangling, "SELECT name FROM singer")
+
+
 def test_unreadable_gold_falls_back_to_token_comparison():
     assert exact_set_match(NEVER_ENDS.lower() + " ;", NEVER_ENDS)
     assert not exact_set_match("SELECT 1", NEVER_ENDS)
@@ -246,6 +339,10 @@ def test_runaway_results_are_cut_off(spider):
     with SqliteRunner(spider / "database", timeout_s=5, max_rows=100) as runner:
         result = runner.run("concert_singer", "SELECT * FROM stadium, singer, concert")  # 9*6*6 rows
         assert result.error == "too_many_rows"
+    # 54 rows, but 12 columns wide: over a budget of 500 values
+    with SqliteRunner(spider / "database", timeout_s=5, max_values=500) as runner:
+        assert runner.run("concert_singer", "SELECT * FROM stadium, singer LIMIT 60").error == "too_many_rows"
+        assert runner.run("concert_singer", "SELECT stadium.name FROM stadium, singer LIMIT 60").ok
 
 
 # -- scoring --------------------------------------------------------------------------------------------
@@ -292,6 +389,35 @@ def test_bad_predictions_score_zero_and_never_crash(task):
     assert result["unparsed"] == 4  # the CTE, the typo, the DELETE and the empty answer
 
 
+def test_predictions_beyond_the_limits_score_zero_with_a_counted_reason(task):
+    from trainer.tasks.sql_match import MAX_DEPTH, MAX_SQL_CHARS
+
+    gold = "SELECT name FROM singer"
+    predictions = [
+        " " + nested(MAX_DEPTH + 1),  # would match in spirit: still refused
+        " " + nested(200),
+        " SELECT name FROM singer WHERE name = '" + "x" * MAX_SQL_CHARS + "'",
+        " SELECT name FROM singer WHERE name = '" + "y" * 5_000_000,  # never ends
+        " " + gold,
+    ]
+    result = task.score(predictions, [example("concert_singer", gold)] * len(predictions))
+    assert (result["too_deep"], result["too_long"]) == (2, 2)
+    assert result["exact_match"] == result["execution_accuracy"] == pytest.approx(1 / 5)
+    assert result["unparsed"] == result["exec_errors"] == result["timeouts"] == 0
+
+
+def test_an_inline_comment_does_not_spoil_a_correct_answer(task):
+    gold = "SELECT count(*) FROM singer"
+    predictions = [
+        " SELECT count(*) FROM singer -- every singer",
+        " SELECT count(*) -- every singer\nFROM singer",
+        " SELECT count(*) /* all */ FROM singer;",
+    ]
+    result = task.score(predictions, [example("concert_singer", gold)] * 3)
+    assert result["exact_match"] == result["execution_accuracy"] == 1.0
+    assert result["unparsed"] == 0
+
+
 def test_a_broken_gold_query_is_counted_not_fatal(task):
     result = task.score([" SELECT 1"], [example("concert_singer", "SELECT nope FROM singer")])
     assert result["gold_errors"] == 1 and result["execution_accuracy"] == 0.0
@@ -313,3 +439,16 @@ def test_extract_sql_takes_the_query_out_of_a_generated_answer():
     assert extract_sql(" SELECT a FROM t\n-- Question: next one\nSQL: SELECT") == "SELECT a FROM t"
     assert extract_sql(" SELECT a FROM t\n\nmore text") == "SELECT a FROM t"
     assert extract_sql("") == ""
+    assert extract_sql(" SELECT a -- the a column\nFROM t") == "SELECT a FROM t"
+    assert extract_sql(" SELECT a /* ; */ FROM t; junk") == "SELECT a FROM t"
+    assert extract_sql(" SELECT 'it''s; ok' FROM t; x") == "SELECT 'it''s; ok' FROM t"
+
+
+def test_extract_sql_reads_a_bounded_prefix_of_a_huge_answer():
+    from trainer.tasks.sql_match import SqlTooComplex
+
+    tail = "\n\nand then " + "blah " * 1_000_000  # the answer ends early: the tail is never read
+    assert extract_sql(" SELECT a FROM t" + tail) == "SELECT a FROM t"
+    with pytest.raises(SqlTooComplex, match="runs past") as error:
+        extract_sql(" SELECT a FROM t WHERE b = '" + "x" * 2_000_000)
+    assert error.value.reason == "too_long"

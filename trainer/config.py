@@ -129,6 +129,8 @@ class EvalConfig:
     num_beams: int = 1
     generation_batch_size: int = 8
     max_total_length: int | None = None
+    # Seconds one predicted (or gold) SQL query may run before it is stopped and counted as a timeout.
+    sql_timeout_s: float = 5.0
 
 
 @dataclass
@@ -367,6 +369,10 @@ def validate(config: Config) -> None:
     _require(e.num_beams >= 1, f"eval.num_beams: expected >= 1, got {e.num_beams}")
     _require(e.max_new_tokens is None or e.max_new_tokens > 0, "eval.max_new_tokens: expected > 0")
     _require(e.generation_batch_size > 0, "eval.generation_batch_size: expected > 0")
+    _require(
+        0 < e.sql_timeout_s < float("inf"),
+        f"eval.sql_timeout_s: expected a finite number of seconds > 0, got {e.sql_timeout_s}",
+    )
     _require(config.notify.stall_minutes > 0, "notify.stall_minutes: expected > 0")
     if e.task is not None:
         from trainer.tasks import TASK_NAMES

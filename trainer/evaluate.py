@@ -49,7 +49,7 @@ def load_task(cfg: Config):
         return None, []
     from trainer.tasks import get_task
 
-    task = get_task(cfg.eval.task, cfg.eval.task_data_dir)
+    task = get_task(cfg.eval.task, cfg.eval.task_data_dir, sql_timeout_s=cfg.eval.sql_timeout_s)
     examples = task.load(cfg.eval.task_split)
     if cfg.eval.task_max_examples:
         examples = examples[: cfg.eval.task_max_examples]

@@ -26,6 +26,9 @@ def register(subparsers) -> None:
     parser.add_argument("--task-data-dir", help="GLUE download folder or Spider folder")
     parser.add_argument("--split", help="task split (default: validation)")
     parser.add_argument("--max-examples", type=int, help="evaluate on the first N task examples")
+    parser.add_argument(
+        "--sql-timeout-s", type=float, help="seconds one SQL query may run (spider; eval.sql_timeout_s)"
+    )
     parser.add_argument("--no-loss", action="store_true", help="skip the validation loss")
     parser.set_defaults(func=run)
 
@@ -44,15 +47,26 @@ def run(args) -> int:
         ("task_data_dir", "task_data_dir"),
         ("split", "task_split"),
         ("max_examples", "task_max_examples"),
+        ("sql_timeout_s", "sql_timeout_s"),
     ):
         value = getattr(args, flag)
         if value is not None:
             args.overrides.append(f"eval.{key}={value}")
     cfg = load_config_from_args(args)
     results = evaluate_checkpoint(cfg, checkpoint, with_loss=not args.no_loss)
-    (checkpoint / "eval_results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps(results, indent=2))
+    text = json.dumps(_finite(results), indent=2, allow_nan=False)
+    (checkpoint / "eval_results.json").write_text(text + "\n")
+    print(text)
     return 0
+
+
+def _finite(results: dict) -> dict:
+    """NaN/inf (an undefined loss) as null, named in ``nonfinite``, as the run folder's logs write them."""
+    from trainer.runlog import clean_value
+
+    nonfinite: list[str] = []
+    cleaned = clean_value(results, "", nonfinite)
+    return {**cleaned, "nonfinite": nonfinite} if nonfinite else cleaned
 
 
 def evaluate_checkpoint(cfg, checkpoint: Path, with_loss: bool = True) -> dict:

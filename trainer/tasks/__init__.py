@@ -29,10 +29,13 @@ __all__ = [
 ]
 
 
-def get_task(name: str, data_dir: str | Path | None = None, **options) -> Task:
+def get_task(
+    name: str, data_dir: str | Path | None = None, *, sql_timeout_s: float | None = None, **options
+) -> Task:
     """The task called ``name``; ``data_dir`` is the GLUE download (None: the Hub) or the Spider folder.
 
-    ``options`` go to the task's constructor (``timeout_s`` for Spider, ``hf_dataset`` for GLUE).
+    ``sql_timeout_s`` is Spider's per-query time limit (config ``eval.sql_timeout_s``; GLUE has no
+    SQL and ignores it). ``options`` go to the task's constructor (``hf_dataset`` for GLUE).
     """
     key = name.lower().replace("-", "")
     if key in GLUE_SPECS:
@@ -40,5 +43,7 @@ def get_task(name: str, data_dir: str | Path | None = None, **options) -> Task:
     if key == "spider":
         if data_dir is None:
             raise TaskDataError("spider needs data_dir: a folder with tables.json, database/ and dev.json")
+        if sql_timeout_s is not None:
+            options["timeout_s"] = sql_timeout_s
         return SpiderTask(data_dir, **options)
     raise ValueError(f"unknown task {name!r}; expected one of {', '.join(TASK_NAMES)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 STSB_RANGE = (0.0, 5.0)
 STSB_FALLBACK = 2.5  # an unreadable STS-B answer scores as the middle of the scale (and is counted)
 HF_DATASET = "nyu-mll/glue"
+MAX_ANSWER_CHARS = 4096  # where the search for a label word stops
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class GlueSpec:
     question: str
     metric_names: tuple[str, ...]  # the first one picks the best checkpoint
     headerless: tuple[str, ...] = ()  # column names for files without a header row (CoLA)
+    # Other words an answer may use for a label ("not equivalent" then reads as "no": see parse_label).
+    synonyms: dict[str, int] = field(default_factory=dict)
     extra_splits: dict[str, tuple[tuple[str, str | None], ...]] = field(default_factory=dict)
 
     @property
@@ -62,10 +66,12 @@ SPECS: dict[str, GlueSpec] = {
         GlueSpec("sst2", "SST-2", ("sentence",), "label", _BINARY, ("negative", "positive"), ("sentence",),
                  ("Sentence",), "Is the sentiment of this sentence positive or negative?", ("accuracy",)),
         GlueSpec("mrpc", "MRPC", ("#1 String", "#2 String"), "Quality", _BINARY, ("no", "yes"), _PAIR, _SENTENCES,
-                 f"Do the two sentences mean the same thing? {_YES_NO}", ("f1", "accuracy")),
+                 f"Do the two sentences mean the same thing? {_YES_NO}", ("f1", "accuracy"),
+                 synonyms={"equivalent": 1, "not_equivalent": 0}),
         GlueSpec("qqp", "QQP", ("question1", "question2"), "is_duplicate", _BINARY, ("no", "yes"),
                  ("question1", "question2"), ("Question 1", "Question 2"),
-                 f"Do the two questions ask the same thing? {_YES_NO}", ("f1", "accuracy")),
+                 f"Do the two questions ask the same thing? {_YES_NO}", ("f1", "accuracy"),
+                 synonyms={"duplicate": 1, "duplicates": 1}),
         GlueSpec("stsb", "STS-B", _PAIR, "score", None, (), _PAIR, _SENTENCES,
                  "How similar are the two sentences, on a scale from 0 to 5?", ("pearson", "spearman")),
         GlueSpec("mnli", "MNLI", _PAIR, "gold_label", {"entailment": 0, "neutral": 1, "contradiction": 2},
@@ -77,20 +83,38 @@ SPECS: dict[str, GlueSpec] = {
                      "validation_mismatched": (("dev_mismatched.tsv", "mismatched"),),
                  }),
         GlueSpec("qnli", "QNLI", ("question", "sentence"), "label", _NLI2, ("yes", "no"), ("question", "sentence"),
-                 ("Question", "Sentence"), f"Does the sentence answer the question? {_YES_NO}", ("accuracy",)),
+                 ("Question", "Sentence"), f"Does the sentence answer the question? {_YES_NO}", ("accuracy",),
+                 synonyms=_NLI2),
         GlueSpec("rte", "RTE", _PAIR, "label", _NLI2, ("yes", "no"), _PAIR, _SENTENCES,
-                 f"Does sentence 1 entail sentence 2? {_YES_NO}", ("accuracy",)),
+                 f"Does sentence 1 entail sentence 2? {_YES_NO}", ("accuracy",), synonyms=_NLI2),
         GlueSpec("wnli", "WNLI", _PAIR, "label", _BINARY, ("no", "yes"), _PAIR, _SENTENCES,
-                 f"Does sentence 1 entail sentence 2? {_YES_NO}", ("accuracy",)),
+                 f"Does sentence 1 entail sentence 2? {_YES_NO}", ("accuracy",),
+                 synonyms={"entailment": 1, "not_entailment": 0}),
     )
 }  # fmt: skip
 
 
-def parse_label(text: str, words: tuple[str, ...]) -> int | None:
-    """Label id of the first label word in ``text`` (whole word, any case), or None."""
-    pattern = r"\b(" + "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)) + r")\b"
-    match = re.search(pattern, text, flags=re.IGNORECASE)
-    return None if match is None else [w.lower() for w in words].index(match.group(1).lower())
+# "not", "never" or "-n't" right before a label word, one word allowed between ("not really acceptable").
+_NEGATED = re.compile(r"(?:\b(?:not|never)|n['\u2019]t)\s+(?:\w+\s+)?\Z", re.IGNORECASE)
+
+
+def parse_label(text: str, words: tuple[str, ...], synonyms: dict[str, int] | None = None) -> int | None:
+    """Label id of the first label word (or synonym) in ``text`` (whole word, any case), or None.
+
+    A negated word ("not acceptable", "isn't equivalent") names the other label of a binary task;
+    with three or more labels it names none, and the next word is read instead.
+    """
+    ids = {w.lower(): i for i, w in enumerate(words)}
+    ids.update({w.lower(): i for w, i in (synonyms or {}).items()})
+    pattern = r"\b(" + "|".join(re.escape(w) for w in sorted(ids, key=len, reverse=True)) + r")\b"
+    for match in re.finditer(pattern, text, flags=re.IGNORECASE):
+        label = ids[match.group(1).lower()]
+        before = text[max(0, match.start() - 64) : match.start()]
+        if _NEGATED.search(before) is None:
+            return label
+        if len(words) == 2:
+            return 1 - label
+    return None
 
 
 _NUMBER_WORDS = {"zero": 0.0, "one": 1.0, "two": 2.0, "three": 3.0, "four": 4.0, "five": 5.0}
@@ -110,16 +134,17 @@ def parse_score(text: str) -> float | None:
     return min(max(value, STSB_RANGE[0]), STSB_RANGE[1])
 
 
-def read_tsv(path: Path, headerless: tuple[str, ...] = ()) -> tuple[list[dict[str, str]], int]:
-    """Rows of a GLUE TSV as dicts, and how many malformed rows were skipped.
+def read_tsv(path: Path, headerless: tuple[str, ...] = ()) -> tuple[list[tuple[int, dict[str, str]]], int]:
+    """Rows of a GLUE TSV as ``(line number, row dict)``, and how many malformed rows were skipped.
 
     GLUE's TSVs are not CSV-quoted (quotes are text), so QUOTE_NONE; a row whose field count
     differs from the header's is malformed (QQP and others have a few) and is skipped.
     """
     with open(path, encoding="utf-8-sig", newline="") as handle:  # -sig: MRPC starts with a BOM
-        rows = list(csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
-    header = list(headerless) if headerless else [h.strip() for h in (rows.pop(0) if rows else [])]
-    good = [dict(zip(header, row)) for row in rows if len(row) == len(header)]
+        reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
+        rows = [(reader.line_num, row) for row in reader]
+    header = list(headerless) if headerless else [h.strip() for h in (rows.pop(0)[1] if rows else [])]
+    good = [(line, dict(zip(header, row))) for line, row in rows if len(row) == len(header)]
     return good, len(rows) - len(good)
 
 
@@ -177,8 +202,8 @@ class GlueTask(Task):
                 raise TaskDataError(f"{self.name}: missing {path} for split {split!r}")
             rows, bad = read_tsv(path, self.spec.headerless)
             skipped += bad
-            for row in rows:
-                example = self._from_row(row, subset, len(examples))
+            for line, row in rows:
+                example = self._from_row(row, subset, len(examples), f"{path}:{line}")
                 if example is None:
                     skipped += 1
                 else:
@@ -188,7 +213,7 @@ class GlueTask(Task):
             log.warning("%s/%s: skipped %d malformed or unlabelled rows", self.name, split, skipped)
         return examples
 
-    def _from_row(self, row: dict[str, str], subset: str | None, idx: int) -> dict | None:
+    def _from_row(self, row: dict[str, str], subset: str | None, idx: int, where: str) -> dict | None:
         missing = [c for c in (*self.spec.columns, self.spec.label_column) if c not in row]
         if missing:
             raise TaskDataError(f"{self.name}: TSV has no column(s) {missing}; columns are {list(row)}")
@@ -198,6 +223,7 @@ class GlueTask(Task):
                 label: float | int = float(raw)
             except ValueError:
                 return None
+            _check_score(label, where, self.spec.label_column)
         elif raw in self.spec.labels:
             label = self.spec.labels[raw]
         else:
@@ -235,7 +261,9 @@ class GlueTask(Task):
             ) from exc
         examples = []
         for rows, subset in parts:
-            for row in rows:
+            for i, row in enumerate(rows):
+                if self.spec.labels is None:
+                    _check_score(row["label"], f"{self.hf_dataset} {self.name} row {i}", "label")
                 texts = [row[c] for c in self.spec.hf_columns]
                 examples.append(self._example(len(examples), texts, row["label"], subset))
         self.skipped_rows[split] = 0
@@ -253,13 +281,22 @@ class GlueTask(Task):
         return " " + self.spec.label_words[example["label"]]
 
     def parse(self, text: str) -> int | float | None:
-        """The label (or STS-B score) an answer names, None when it names none."""
+        """The label (or STS-B score) an answer names, None when it names none.
+
+        Only the first ``MAX_ANSWER_CHARS`` are read: an answer is a word or a number, and a
+        runaway generation must not cost more than that.
+        """
+        text = text[:MAX_ANSWER_CHARS]
         if self.spec.labels is None:
             return parse_score(text)
-        return parse_label(text, self.spec.label_words)
+        return parse_label(text, self.spec.label_words, self.spec.synonyms)
 
-    def score(self, predictions: list[str], examples: list[dict]) -> dict[str, float]:
-        """GLUE's metrics for this task, plus ``unparsed`` (answers naming no label) and ``n``."""
+    def score(self, predictions: list[str], examples: list[dict]) -> dict[str, float | str | None]:
+        """GLUE's metrics for this task, plus ``unparsed`` (answers naming no label) and ``n``.
+
+        A metric that is undefined (a correlation over a non-finite score) is None, never a number,
+        and ``undefined`` says which and why, so a broken gold file cannot score perfectly.
+        """
         self._check_aligned(predictions, examples)
         golds = [e["label"] for e in examples]
         parsed = [self.parse(p) for p in predictions]
@@ -268,7 +305,11 @@ class GlueTask(Task):
             preds = [STSB_FALLBACK if p is None else p for p in parsed]
         else:
             preds = [_wrong(g, len(self.spec.label_words)) if p is None else p for g, p in zip(golds, parsed)]
-        result = {name: _METRICS[name](golds, preds) for name in self.spec.metric_names}
+        result: dict = {name: _METRICS[name](golds, preds) for name in self.spec.metric_names}
+        undefined = [name for name, value in result.items() if not math.isfinite(value)]
+        if undefined:
+            result.update(dict.fromkeys(undefined, None))
+            result["undefined"] = f"{', '.join(undefined)}: a gold or predicted score is not a finite number"
         subsets = sorted({e["subset"] for e in examples if e.get("subset")})
         for subset in subsets:
             pairs = [(g, p) for g, p, e in zip(golds, preds, examples) if e.get("subset") == subset]
@@ -276,6 +317,12 @@ class GlueTask(Task):
         result["unparsed"] = unparsed
         result["n"] = len(examples)
         return result
+
+
+def _check_score(value: float, where: str, column: str) -> None:
+    """A gold similarity score must be a finite number: a NaN would make every correlation undefined."""
+    if not math.isfinite(value):
+        raise TaskDataError(f"{where}: gold {column} {value!r} is not a finite number; expected 0 to 5")
 
 
 def _wrong(gold: int, num_labels: int) -> int:

@@ -1,9 +1,11 @@
 """GLUE's official metrics in plain Python.
 
 scikit-learn and scipy are test-only dependencies, so the training install cannot use them;
-the tests check every function here against them on fixed vectors. Where a correlation is
-undefined (a constant input, where scipy gives NaN) we return 0.0, so picking the best
-checkpoint by it stays well-defined.
+the tests check every function here against them on fixed vectors. A correlation with a
+constant input (where scipy gives NaN) is 0.0: a model that always answers the same has no
+correlation, and picking the best checkpoint by it stays well-defined. A correlation over a
+non-finite value (NaN, inf) is NaN, "undefined": never clamped into [-1, 1], where a NaN
+would have read as a perfect 1.0.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ def matthews_corrcoef(golds: Sequence[Hashable], preds: Sequence[Hashable]) -> f
 
 
 def pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Pearson's r; 0.0 when either side is constant (scipy: NaN)."""
+    """Pearson's r; 0.0 when either side is constant (scipy: NaN); NaN when a value is not finite."""
     _check_lengths(xs, ys)
+    if not all(math.isfinite(v) for v in (*xs, *ys)):
+        return math.nan
     n = len(xs)
     if n < 2:
         return 0.0
@@ -65,8 +69,10 @@ def pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
     syy = math.fsum(d * d for d in dy)
     if sxx == 0 or syy == 0:
         return 0.0
+    if not math.isfinite(sxx * syy):  # squares overflowed (values beyond ~1e77): no answer, not a guess
+        return math.nan
     r = math.fsum(a * b for a, b in zip(dx, dy)) / math.sqrt(sxx * syy)
-    return max(-1.0, min(1.0, r))
+    return max(-1.0, min(1.0, r))  # only rounding can take a finite r past +-1
 
 
 def average_ranks(values: Sequence[float]) -> list[float]:
@@ -88,4 +94,6 @@ def average_ranks(values: Sequence[float]) -> list[float]:
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Spearman's rho: Pearson's r of the average ranks, so ties count as scipy counts them."""
     _check_lengths(xs, ys)
+    if not all(math.isfinite(v) for v in (*xs, *ys)):
+        return math.nan  # NaN has no rank
     return pearson(average_ranks(xs), average_ranks(ys))

@@ -2,7 +2,8 @@
 
 A prediction is untrusted text. Databases open read-only (``mode=ro``), an authorizer allows
 only reading, and a progress handler aborts any statement that runs past its time limit (a
-recursive CTE that never ends), so a bad prediction scores 0 and never stalls the evaluation.
+recursive CTE that never ends), and an answer of more than ``max_rows`` rows or ``max_values``
+cells is cut off, so a bad prediction scores 0 and never stalls or exhausts the evaluation.
 Answers compare as multisets of rows (lists when the gold query orders them), allowing the
 columns in another order, as the Spider test-suite evaluation does.
 """
@@ -40,10 +41,17 @@ class ExecResult:
 class SqliteRunner:
     """Runs queries on ``<db_root>/<db_id>/<db_id>.sqlite`` (Spider's layout), one connection per database."""
 
-    def __init__(self, db_root: str | Path, timeout_s: float = 5.0, max_rows: int = 100_000):
+    def __init__(
+        self,
+        db_root: str | Path,
+        timeout_s: float = 5.0,
+        max_rows: int = 100_000,
+        max_values: int = 1_000_000,
+    ):
         self.db_root = Path(db_root)
         self.timeout_s = timeout_s
         self.max_rows = max_rows
+        self.max_values = max_values  # rows x columns: a wide cross join is cut off before it fills memory
         self._connections: dict[str, sqlite3.Connection] = {}
         self._deadline = 0.0
 
@@ -73,7 +81,9 @@ class SqliteRunner:
         self._deadline = time.monotonic() + self.timeout_s
         try:
             cursor = conn.execute(sql)
-            rows = cursor.fetchmany(self.max_rows + 1)
+            width = max(1, len(cursor.description or ()))
+            limit = min(self.max_rows, self.max_values // width)
+            rows = cursor.fetchmany(limit + 1)
         except sqlite3.OperationalError as exc:
             if "interrupted" in str(exc):
                 return ExecResult(None, "timeout")
@@ -82,7 +92,7 @@ class SqliteRunner:
             return ExecResult(None, f"error: {exc}")
         finally:
             self._deadline = 0.0  # nothing runs between calls; keep the handler harmless
-        if len(rows) > self.max_rows:
+        if len(rows) > limit:
             return ExecResult(None, "too_many_rows")
         return ExecResult([tuple(r) for r in rows])
 

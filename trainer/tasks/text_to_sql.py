@@ -15,7 +15,14 @@ from pathlib import Path
 
 from trainer.tasks.base import MetricForBest, Task, TaskDataError
 from trainer.tasks.sql_exec import ExecResult, SqliteRunner, results_match
-from trainer.tasks.sql_match import SqlParseError, canonical, exact_set_match, has_top_level_order_by
+from trainer.tasks.sql_match import (
+    MAX_SQL_CHARS,
+    SqlParseError,
+    SqlTooComplex,
+    canonical,
+    exact_set_match,
+    has_top_level_order_by,
+)
 
 SPLIT_FILES = {
     "train": ("train_spider.json", "train_others.json"),
@@ -77,24 +84,46 @@ def _flat(keys: list) -> list[int]:
     return [k for item in keys for k in (item if isinstance(item, list) else [item])]
 
 
+MAX_ANSWER_CHARS = 4 * MAX_SQL_CHARS  # room for comments and whitespace around a query of the longest kind
+REFUSALS = ("too_long", "too_deep")  # predictions scored 0 unread (sql_match's limits), counted by reason
+_FENCE = re.compile(r"```(?:sql)?", re.IGNORECASE)
+# Where the answer ends: a blank line, a comment line (the next "-- Question:"), or a new prompt.
+_ANSWER_END = re.compile(r"\n\s*\n|\n\s*--|\n\s*(?:Question|SQL)\s*:")
+# Quoted text (kept whole, also when unterminated: SQLite reads it to the end), comments, ';'.
+_LEXEME = re.compile(
+    r"""'[^']*(?:''[^']*)*(?:'|\Z)|"[^"]*(?:""[^"]*)*(?:"|\Z)|`[^`]*(?:`|\Z)|\[[^\]]*(?:\]|\Z)
+    |(?P<comment>--[^\n]*|/\*.*?(?:\*/|\Z))
+    |(?P<semicolon>;)""",
+    re.DOTALL | re.VERBOSE,
+)
+
+
 def extract_sql(generated: str) -> str:
-    """The query in a generated answer: code fences dropped, cut at ';', a blank line or a comment line."""
-    text = re.sub(r"```(?:sql)?", "\n", generated, flags=re.IGNORECASE).strip()
-    text = re.split(r"\n\s*\n|\n\s*--|\n\s*(?:Question|SQL)\s*:", text)[0]
-    text = _cut_at_semicolon(text)
-    return " ".join(text.split())
+    """The query in a generated answer: code fences and comments dropped, cut at ';' or a comment line.
 
-
-def _cut_at_semicolon(text: str) -> str:
-    quote = None
-    for i, ch in enumerate(text):
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch == ";":
-            return text[:i]
-    return text
+    Comments go before whitespace is collapsed, so a trailing ``-- note`` cannot swallow the rest of
+    the query; quoted text is left alone. Only the first ``MAX_ANSWER_CHARS`` are read, so the cost
+    is bounded: an answer still going on there raises ``SqlTooComplex('too_long')``.
+    """
+    window = generated[:MAX_ANSWER_CHARS]
+    text = _FENCE.sub("\n", window).strip()
+    end = _ANSWER_END.search(text)
+    ended = end is not None or len(generated) <= MAX_ANSWER_CHARS
+    if end is not None:
+        text = text[: end.start()]
+    pieces, pos = [], 0
+    for match in _LEXEME.finditer(text):
+        if match.group("semicolon") is not None:
+            pieces.append(text[pos : match.start()])
+            pos, ended = len(text), True
+            break
+        if match.group("comment") is not None:
+            pieces += [text[pos : match.start()], " "]
+            pos = match.end()
+    if not ended:
+        raise SqlTooComplex("too_long", f"the answer runs past {MAX_ANSWER_CHARS} characters")
+    pieces.append(text[pos:])
+    return " ".join("".join(pieces).split())
 
 
 class SpiderTask(Task):
@@ -154,33 +183,44 @@ class SpiderTask(Task):
         return " " + example["query"].strip()
 
     def score(self, predictions: list[str], examples: list[dict]) -> dict[str, float]:
-        """``exact_match`` and ``execution_accuracy``, plus counts of unreadable, failing and timed-out predictions."""
+        """``exact_match`` and ``execution_accuracy``, plus counts of unreadable, refused, failing and
+        timed-out predictions."""
         self._check_aligned(predictions, examples)
         counts = dict.fromkeys(
-            ("exact_match", "execution_accuracy", "unparsed", "exec_errors", "timeouts"), 0
+            ("exact_match", "execution_accuracy", "unparsed", *REFUSALS, "exec_errors", "timeouts"), 0
         )
         counts["gold_errors"] = 0
         gold_cache: dict[tuple[str, str], ExecResult] = {}
         with SqliteRunner(self.db_root, timeout_s=self.timeout_s) as runner:
             for generated, example in zip(predictions, examples):
-                self._score_one(extract_sql(generated), example, runner, gold_cache, counts)
+                self._score_one(generated, example, runner, gold_cache, counts)
         n = len(examples)
         rates = {k: counts[k] / n if n else 0.0 for k in ("exact_match", "execution_accuracy")}
         return {**counts, **rates, "n": n}
 
     def _score_one(
-        self, sql: str, example: dict, runner: SqliteRunner, gold_cache: dict, counts: dict
+        self, generated: str, example: dict, runner: SqliteRunner, gold_cache: dict, counts: dict
     ) -> None:
-        """Add one prediction's outcome to ``counts`` (rates are divided out by ``score``)."""
+        """Add one prediction's outcome to ``counts`` (rates are divided out by ``score``).
+
+        A prediction beyond the matcher's limits (``too_long``, ``too_deep``) scores 0 without being
+        parsed or run: one generated answer must not stall or exhaust the evaluation.
+        """
         db_id, gold = example["db_id"], example["query"]
         if db_id not in self.schemas():
             raise TaskDataError(f"{self.name}: database {db_id!r} is not in tables.json")
         columns = self.schemas()[db_id].column_sets()
+        sql, refused = "", None
         try:
+            sql = extract_sql(generated)
             canonical(sql, columns)
+        except SqlTooComplex as exc:
+            refused = exc.reason
+            counts[refused] += 1
         except SqlParseError:
             counts["unparsed"] += 1
-        counts["exact_match"] += exact_set_match(sql, gold, columns)
+        if refused is None:
+            counts["exact_match"] += exact_set_match(sql, gold, columns)
         key = (db_id, gold)
         if key not in gold_cache:
             try:
@@ -190,6 +230,8 @@ class SpiderTask(Task):
         gold_result = gold_cache[key]
         if not gold_result.ok:
             counts["gold_errors"] += 1
+            return
+        if refused is not None:
             return
         predicted = runner.run(db_id, sql) if sql else None
         if predicted is None or not predicted.ok:
