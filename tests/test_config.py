@@ -46,7 +46,7 @@ def test_unknown_key_in_yaml_names_file_and_nearest(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"training": {"micro_batch": 4}}))
     with pytest.raises(
-        ConfigError, match=r"bad.yaml: unknown key 'training.micro_batch' \(did you mean 'micro_batch_size'"
+        ConfigError, match=r"bad.yaml:2: unknown key 'training.micro_batch' \(did you mean 'micro_batch_size'"
     ):
         load_config(bad)
 
@@ -62,7 +62,7 @@ def test_cli_exits_2_with_one_line_before_loading_anything():
     result = run_trainer("train", "--set", "lora.r=0", timeout=60)
     assert result.returncode == 2
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert lines == ["config error: lora.r: expected a rank > 0, got 0"]
+    assert lines == ["config error: --set lora.r=0: lora.r: expected a rank > 0, got 0"]
     missing = run_trainer("train", "--config", "nope.yaml", timeout=60)
     assert missing.returncode == 2 and "config file not found: nope.yaml" in missing.stderr
 
