@@ -1,10 +1,11 @@
 """Typed configuration: YAML + ``--set section.key=value`` overrides, validated before any model loads.
 
 Each section is a pydantic dataclass: the types, bounds and cross-key rules below are the whole
-validation, and ``dataclasses.replace``/``asdict`` keep working on them. Every mistake a user can
-make (unknown key, wrong type, bad value, missing file) becomes a ``ConfigError`` of one line per
-problem, naming where the value came from (``file:line`` or the ``--set`` argument); the CLI turns
-it into exit code 2. The wording lives in trainer/config_errors.py; docs/config.md has the rules.
+validation of values (``missing_files`` checks the files), and ``dataclasses.replace``/``asdict`` keep
+working on them. Every mistake a user can make (unknown key, wrong type, bad value, missing file)
+becomes a ``ConfigError`` of one line per problem, naming where the value came from (``file:line`` or
+the ``--set`` argument); the CLI turns it into exit code 2. The wording lives in
+trainer/config_errors.py; docs/config.md has the rules.
 """
 
 from __future__ import annotations
@@ -29,17 +30,6 @@ from pydantic_core import PydanticCustomError
 
 from trainer.config_errors import ConfigError, KeyPath, Problem, describe, suggest_key
 from trainer.yamlfile import read_yaml
-
-__all__ = [
-    "Config",
-    "ConfigError",
-    "build_config",
-    "dump_config",
-    "load_config",
-    "parse_override",
-    "read_run_config",
-    "validate",
-]
 
 
 def _yaml_number(value: Any) -> Any:
@@ -312,7 +302,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     """``section.key=value`` with the value read as YAML (so 1e-4, true, [a, b] work)."""
     dotted, sep, value_text = text.partition("=")
     if not sep or "." not in dotted:
-        hint = suggest_key(None, dotted.strip(), SECTIONS) if sep and dotted.strip() else ""
+        name = dotted.strip()
+        hint = suggest_key(None, name, SECTIONS) if sep and name and name not in SECTIONS else ""
         raise ConfigError(f"--set {text!r}: expected section.key=value{hint}")
     section, key = dotted.strip().split(".", 1)
     try:
