@@ -280,13 +280,18 @@ SECTIONS: dict[str, type] = {name: info.annotation for name, info in Config.__py
 _ADAPTER = TypeAdapter(Config)
 
 
+def _str_keys(values: Any) -> Any:
+    """YAML reads ``1:`` as an integer key; as a config key it is just an unknown name."""
+    return {str(k): v for k, v in values.items()} if isinstance(values, dict) else values
+
+
 def _build(raw: Any, where) -> Config:
     """Validate a nested dict; ``where(key_path)`` names the source of a value (or None)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{where(())}: expected a mapping of sections at the top level")
-    raw = {section: {} if values is None else values for section, values in raw.items()}
+    raw = {str(section): _str_keys({} if values is None else values) for section, values in raw.items()}
     try:
         return _ADAPTER.validate_python(raw)
     except ValidationError as exc:

@@ -147,7 +147,7 @@ def _describe_one(error: dict, loc: KeyPath, raw: dict, sections: dict[str, type
         return Problem((loc,), f"section '{name}' must be a mapping of keys, got {_shown(given)}")
     section, key = loc[0], loc[1]
     dotted = f"{section}.{key}"
-    if kind in _UNKNOWN:
+    if kind in _UNKNOWN or key not in sections[section].__pydantic_fields__:
         return Problem((loc[:2],), f"unknown key '{dotted}'{suggest_key(section, key, sections)}")
     field = sections[section].__pydantic_fields__[key]
     value = raw.get(section, {}).get(key, given)
@@ -158,4 +158,5 @@ def _describe_one(error: dict, loc: KeyPath, raw: dict, sections: dict[str, type
         return Problem(
             (loc[:2],), f"{dotted}: expected {what}{bounds_text(field.metadata)}{note}, got {_shown(value)}"
         )
-    return Problem((loc[:2],), f"{dotted}: expected {type_name(field.annotation)}, got {value!r}")
+    shown = "null" if value is None else repr(value)
+    return Problem((loc[:2],), f"{dotted}: expected {type_name(field.annotation)}, got {shown}")
