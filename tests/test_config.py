@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tests.helpers import REPO, run_trainer
-from trainer.config import ConfigError, load_config
+from tests.helpers import REPO, TINY, run_trainer
+from trainer.config import ConfigError, load_config, read_run_config
 
 
 def test_defaults_and_shipped_configs_validate():
@@ -46,7 +46,7 @@ def test_unknown_key_in_yaml_names_file_and_nearest(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"training": {"micro_batch": 4}}))
     with pytest.raises(
-        ConfigError, match=r"bad.yaml: unknown key 'training.micro_batch' \(did you mean 'micro_batch_size'"
+        ConfigError, match=r"bad.yaml:2: unknown key 'training.micro_batch' \(did you mean 'micro_batch_size'"
     ):
         load_config(bad)
 
@@ -62,7 +62,7 @@ def test_cli_exits_2_with_one_line_before_loading_anything():
     result = run_trainer("train", "--set", "lora.r=0", timeout=60)
     assert result.returncode == 2
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert lines == ["config error: lora.r: expected a rank > 0, got 0"]
+    assert lines == ["config error: --set lora.r=0: lora.r: expected a rank > 0, got 0"]
     missing = run_trainer("train", "--config", "nope.yaml", timeout=60)
     assert missing.returncode == 2 and "config file not found: nope.yaml" in missing.stderr
 
@@ -99,6 +99,160 @@ def test_check_config_round_trips(tmp_path):
 def test_shipped_profiles_validate(path):
     cfg = load_config(path, [f"paths.train_file={REPO / 'data' / 'tiny_corpus.jsonl'}"])
     assert cfg.training.max_steps > 0 or cfg.training.num_epochs > 0
+
+
+# ---------------------------------------------------------------- where a problem came from
+
+
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("training.lerning_rate=1e-4", "did you mean 'optimization.learning_rate'?"),
+        (
+            "training.learning_rate=1e-4",
+            "did you mean 'optimization.learning_rate'?",
+        ),  # right key, wrong section
+        ("eval.telemetry_intervall=3", "did you mean 'logging.telemetry_interval'?"),
+        ("lerning_rate=1e-4", "did you mean 'optimization.learning_rate'?"),  # no section at all
+    ],
+)
+def test_unknown_key_suggests_the_nearest_key_of_any_section(override, suggestion):
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "training_config.yaml", [override])
+    assert suggestion in str(info.value)
+
+
+def test_bad_value_from_set_names_the_set_argument_not_the_file():
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "training_config.yaml", ["training.max_steps=five"])
+    assert (
+        str(info.value)
+        == "--set training.max_steps=five: training.max_steps: expected an integer, got 'five'"
+    )
+
+
+def write_yaml(path, text: str):
+    path.write_text(text)
+    return path
+
+
+def test_problems_in_the_file_name_file_and_line_and_expected_type(tmp_path):
+    bad = write_yaml(
+        tmp_path / "bad.yaml",
+        "paths:\n"
+        f"  train_file: {REPO / 'data' / 'tiny_corpus.jsonl'}\n"
+        "training:\n"
+        "  max_steps: 10\n"
+        "  micro_batch_size: four\n"  # line 5
+        "lora:\n"
+        "  target_modules: 7\n"  # line 7
+        "  alpah: 8\n",  # line 8
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    assert str(info.value).splitlines() == [
+        f"{bad}:5: training.micro_batch_size: expected an integer, got 'four'",
+        f"{bad}:7: lora.target_modules: expected a list of strings or a string or null, got 7",
+        f"{bad}:8: unknown key 'lora.alpah' (did you mean 'alpha'?)",
+    ]
+
+
+def test_a_set_override_takes_the_blame_from_the_file(tmp_path):
+    good = write_yaml(
+        tmp_path / "good.yaml", f"paths:\n  train_file: {REPO / 'data' / 'tiny_corpus.jsonl'}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(good, ["paths.train_file=/nonexistent/x.jsonl", "lora.dropout=1.5"])
+    assert str(info.value) == (
+        "--set lora.dropout=1.5: lora.dropout: expected in [0, 1), got 1.5"
+    )  # types and values first; files are checked once the values are right
+    with pytest.raises(ConfigError) as info:
+        load_config(good, ["paths.train_file=/nonexistent/x.jsonl"])
+    assert str(info.value) == (
+        "--set paths.train_file=/nonexistent/x.jsonl: paths.train_file: file not found: /nonexistent/x.jsonl"
+    )
+
+
+def test_cross_key_rule_blames_the_key_that_was_set(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "training_config.yaml", ["training.method=qlora", "training.mixed_precision=fp16"])
+    assert str(info.value) == (
+        "--set training.mixed_precision=fp16: quantization.compute_dtype: "
+        "bf16 with training.mixed_precision fp16; use fp16 for both"
+    )
+
+
+def test_duplicate_key_in_yaml_is_an_error_with_both_lines(tmp_path):
+    bad = write_yaml(tmp_path / "dup.yaml", "training:\n  max_steps: 3\n  seed: 1\n  max_steps: 30\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    assert str(info.value) == f"{bad}:4: duplicate key 'training.max_steps' (first on line 2); keep one"
+
+
+def test_cli_prints_every_problem_on_its_own_line_and_exits_2(tmp_path):
+    result = run_trainer(
+        "check-config", "--set", "training.lerning_rate=1e-4", "--set", "eval.batch_size=0", timeout=60
+    )
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "config error: --set training.lerning_rate=1e-4: unknown key 'training.lerning_rate' "
+        "(did you mean 'optimization.learning_rate'?)",
+        "config error: --set eval.batch_size=0: eval.batch_size: expected > 0, got 0",
+    ]
+
+
+def test_sql_timeout_is_a_positive_number_of_seconds():
+    assert load_config(REPO / "training_config.yaml").eval.sql_timeout_s == 5.0
+    assert load_config(REPO / "training_config.yaml", ["eval.sql_timeout_s=2"]).eval.sql_timeout_s == 2.0
+    with pytest.raises(ConfigError, match=r"eval.sql_timeout_s: expected > 0 \(seconds\), got 0$"):
+        load_config(REPO / "training_config.yaml", ["eval.sql_timeout_s=0"])
+
+
+def test_sweep_file_errors_use_the_same_reader(tmp_path):
+    from trainer.sweep.spec import SweepError, load_sweep
+
+    sweep = write_yaml(tmp_path / "s.yaml", f"configs: {REPO / 'training_config.yaml'}\nseedz: [1]\n")
+    with pytest.raises(SweepError, match=rf"^{sweep}:2: unknown key 'seedz' \(did you mean 'seeds'\?\)"):
+        load_sweep(sweep)
+    sweep.write_text(f"configs: {REPO / 'training_config.yaml'}\ngrid:\n  training.lerning_rate: [1, 2]\n")
+    with pytest.raises(SweepError, match=r"did you mean 'optimization.learning_rate'\?"):
+        load_sweep(sweep)
+
+
+def test_shipped_sweep_files_expand_into_valid_jobs(monkeypatch):
+    from trainer.sweep.spec import load_sweep
+
+    monkeypatch.chdir(REPO)  # their paths are relative to the repository
+    for path in sorted((REPO / "configs").glob("sweep*.yaml")):
+        assert load_sweep(path, root="/tmp/never-created").jobs  # validate=True: every job's config
+
+
+# ---------------------------------------------------------------- reading a finished run's config.yaml
+
+
+def test_run_config_of_an_older_version_is_read_with_its_removed_keys_ignored(tmp_path):
+    old = {
+        **TINY,
+        "eval": {"metric_for_best": "accuracy", "greater_is_better": True, "retired_knob": 3},
+        "training": {"max_steps": 12, "micro_batch_size": "eight"},  # a value the models now refuse
+        "retired_section": {"x": 1},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old))
+    config, ignored = read_run_config(path)
+    assert config.eval.metric_for_best == "accuracy" and config.training.max_steps == 12
+    assert config.training.micro_batch_size == 8  # the default stands in
+    assert sorted(ignored) == ["eval.retired_knob", "retired_section", "training.micro_batch_size"]
+    assert read_run_config(tmp_path / "missing.yaml") == (None, [])
+
+
+def test_list_reads_the_ranking_metric_from_an_old_config(tmp_path):
+    from trainer.runinfo import eval_settings
+
+    (tmp_path / "config.yaml").write_text(
+        yaml.safe_dump({"eval": {"metric_for_best": "f1", "greater_is_better": False, "old": 1}})
+    )
+    assert eval_settings(tmp_path) == ("f1", False)
 
 
 def test_readme_opens_with_the_two_commands():

@@ -28,7 +28,7 @@ def launch(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 def test_bad_config_exits_2_before_training(write_config):
     result = launch("--config", str(write_config()), "--set", "eval.interval=0")
     assert result.returncode == 2
-    assert "config error: eval.interval: expected > 0, got 0" in result.stderr
+    assert "config error: --set eval.interval=0: eval.interval: expected > 0, got 0" in result.stderr
 
 
 def test_unknown_argument_exits_2():

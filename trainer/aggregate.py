@@ -6,7 +6,8 @@ CoLA Matthews correlation; MRPC and QQP F1 and accuracy; STS-B Pearson and Spear
 and mismatched accuracy; other GLUE tasks accuracy; Spider (text-to-SQL) execution accuracy and
 exact match; no task metric: eval loss (lower is better) and perplexity.
 
-Import-light (standard library and yaml; matplotlib only inside ``write_plot``): the dashboard
+Import-light (standard library, yaml, and pydantic through trainer.config when a run's config is
+read; matplotlib only inside ``write_plot``): the dashboard
 reuses ``best_evaluation``. Runs with missing or broken logs become ``problems``, never errors.
 """
 
@@ -143,19 +144,11 @@ def read_eval_log(path: Path) -> tuple[list[dict], int]:
     return records, bad
 
 
-def _config(run_dir: Path) -> dict:
-    import yaml
+def _config(run_dir: Path):
+    """The run's config.yaml read by the trainer's models (keys of older versions ignored), or None."""
+    from trainer.config import read_run_config
 
-    try:
-        data = yaml.safe_load((run_dir / runlog.CONFIG_YAML).read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _section(config: dict, name: str) -> dict:
-    value = config.get(name)
-    return value if isinstance(value, dict) else {}
+    return read_run_config(run_dir / runlog.CONFIG_YAML)[0]
 
 
 def derive_experiment(rel: str, dataset: str | None, seed) -> str:
@@ -202,14 +195,12 @@ def analyze_run(run_dir: Path, root: Path, jobs: dict[str, dict]) -> tuple[dict 
     if best is None:
         return problem(f"no finite task metric or eval_loss in {len(records)} evaluations")
     if best["task"] is None:
-        best_task = _section(config, "eval").get("task")
-        if isinstance(best_task, str):
+        best_task = config.eval.task if config else None
+        if best_task is not None:
             best = best_evaluation(records, best_task) or best
-    train_file = _section(config, "paths").get("train_file")
-    dataset = (
-        job.get("dataset") or best["task"] or (Path(train_file).stem if isinstance(train_file, str) else None)
-    )
-    seed = job.get("seed") if job.get("seed") is not None else _section(config, "training").get("seed")
+    train_file = config.paths.train_file if config else None
+    dataset = job.get("dataset") or best["task"] or (Path(train_file).stem if train_file else None)
+    seed = job.get("seed") if job.get("seed") is not None else (config.training.seed if config else None)
     experiment = job.get("experiment") or derive_experiment(rel, dataset, seed)
     row = {
         "dataset": dataset or "-",

@@ -51,5 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():  # one problem a line, each one greppable
+            print(f"config error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -1,5 +1,5 @@
 """What a run folder says about its run, for ``list`` and ``export``: status, steps, best evaluation,
-data, size. Reads only through trainer.runlog (standard library and yaml; no torch).
+data, size. Reads logs through trainer.runlog and config.yaml through trainer.config's models (no torch).
 """
 
 from __future__ import annotations
@@ -29,13 +29,11 @@ def eval_settings(run_dir: Path) -> tuple[str, bool]:
     From its config.yaml; ``auto`` (the task's metric, else eval_loss) is resolved by the metric the
     trainer named in its checkpoint events, and an unset direction by the metric's name.
     """
-    import yaml
+    from trainer.config import EvalConfig, read_run_config
 
-    try:
-        section = (yaml.safe_load((run_dir / runlog.CONFIG_YAML).read_text()) or {}).get("eval") or {}
-    except (OSError, yaml.YAMLError, AttributeError):
-        section = {}
-    metric = section.get("metric_for_best") or "auto"
+    config, _ = read_run_config(run_dir / runlog.CONFIG_YAML)  # keys of older versions are ignored
+    section = config.eval if config else EvalConfig()
+    metric = section.metric_for_best or "auto"
     if metric == "auto":
         named = [
             e.get("metric")
@@ -43,8 +41,8 @@ def eval_settings(run_dir: Path) -> tuple[str, bool]:
             if e.get("event") in ("best_updated", "checkpoint_saved") and isinstance(e.get("metric"), str)
         ]
         metric = named[-1] if named else "eval_loss"
-    greater = section.get("greater_is_better")
-    if not isinstance(greater, bool):
+    greater = section.greater_is_better
+    if greater is None:
         greater = not lower_is_better(str(metric))
     return str(metric), greater
 

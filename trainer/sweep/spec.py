@@ -119,7 +119,7 @@ def render_value(value: Any) -> str:
 
 @functools.cache
 def _config_hints() -> dict[str, dict[str, Any]]:
-    """Section -> key -> type annotation, from the trainer's config dataclasses."""
+    """Section -> key -> type annotation, from the trainer's config models (Annotated extras dropped)."""
     from trainer.config import Config
 
     return {name: typing.get_type_hints(cls) for name, cls in typing.get_type_hints(Config).items()}
@@ -166,10 +166,14 @@ def normalize_key(key: Any, value: Any, where: str) -> tuple[str, Any]:
         raise SweepError(
             f"{where}: {key!r} is neither section.key nor a tuning name{_nearest(key, ENV_TUNING)}"
         )
-    if section not in hints:
-        raise SweepError(f"{where}: unknown config section {section!r} in {key!r}{_nearest(section, hints)}")
-    if name not in hints[section]:
-        raise SweepError(f"{where}: unknown config key {key!r}{_nearest(name, hints[section])}")
+    if section not in hints or name not in hints[section]:
+        from trainer.config import SECTIONS
+        from trainer.config_errors import suggest_key, suggest_section
+
+        if section not in hints:
+            hint = suggest_section(section, SECTIONS)
+            raise SweepError(f"{where}: unknown config section {section!r} in {key!r}{hint}")
+        raise SweepError(f"{where}: unknown config key {key!r}{suggest_key(section, name, SECTIONS)}")
     tp = hints[section][name]
     if isinstance(value, str) and (tp is float or float in typing.get_args(tp)):
         try:
@@ -340,20 +344,17 @@ def _int(raw: Any, where: str, default: int, low: int = 0) -> int:
 
 
 def read_sweep_file(path: Path) -> dict:
-    if not path.is_file():
-        raise SweepError(f"sweep file not found: {path}")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise SweepError(f"{where}: invalid YAML ({getattr(exc, 'problem', exc)})") from exc
+    from trainer.yamlfile import read_yaml
+
+    raw, lines = read_yaml(path, SweepError, what="sweep file")
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: expected a mapping (configs, grid, seeds, ...) at the top level")
     unknown = [k for k in raw if k not in TOP_LEVEL_KEYS]
     if unknown:
+        line = lines.get((str(unknown[0]),))
         raise SweepError(
-            f"{path}: unknown key {unknown[0]!r}{_nearest(str(unknown[0]), TOP_LEVEL_KEYS)}; "
+            f"{path}{f':{line}' if line else ''}: unknown key {unknown[0]!r}"
+            f"{_nearest(str(unknown[0]), TOP_LEVEL_KEYS)}; "
             f"expected {', '.join(TOP_LEVEL_KEYS)}"
         )
     if "configs" not in raw:
@@ -483,7 +484,9 @@ def validate_jobs(sweep: Sweep) -> None:
         try:
             load_config(job.config, args[1::2])
         except ConfigError as exc:
-            raise SweepError(f"job {job.name}: {exc}") from exc
+            first, *more = str(exc).splitlines()
+            also = f" (and {len(more)} more: python -m trainer check-config shows them)" if more else ""
+            raise SweepError(f"job {job.name}: {first}{also}") from exc
 
 
 def job_info(job: Job) -> dict:
