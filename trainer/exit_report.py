@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--since", type=float, default=0.0, help="ignore errors logged before (Unix time)")
     parser.add_argument("--prefix", default="launch_training.sh")
     args = parser.parse_args(argv)
-    print(f"{args.prefix}: {report(args.code, output_dir_of(args.config, args.overrides), command, args.since)}")
+    print(
+        f"{args.prefix}: {report(args.code, output_dir_of(args.config, args.overrides), command, args.since)}"
+    )
     return 0
 
 
