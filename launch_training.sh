@@ -66,7 +66,8 @@ fi
 # shellcheck source=scripts/setup_venv.sh
 . "$ROOT/scripts/setup_venv.sh"
 setup_venv "train" || { echo "launch_training.sh: environment setup failed" >&2; exit 1; }
-export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# The trainer next to this script, whichever checkout the venv's editable install points at (as sweep.sh).
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 # Fail fast, once, on a bad config (exit 2) before any process loads a model.
 python -m trainer check-config "${config_args[@]}" >/dev/null || exit $?
