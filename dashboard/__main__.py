@@ -1,14 +1,19 @@
-"""``python -m dashboard``: print where to open the dashboard, then serve it (gunicorn if present).
+"""``python -m dashboard``: serve the dashboard (gunicorn if present) and say where to open it once it answers.
 
 launch_dashboard.sh picks a Python with the dashboard's light requirements and runs this.
 One gunicorn worker with threads: every request shares one in-memory reader per run, so a
 million-line log is parsed once, not once per worker. The server runs at a lower CPU priority
 than training (``--nice``).
+
+The URLs are printed only once the server serves: gunicorn's ``post_worker_init`` hook
+(dashboard/gunicorn_hooks.py) prints them after its worker has loaded the app; Flask's server
+prints them after binding. A port already taken is one line and exit 2, before anything starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.metadata
 import importlib.util
 import ipaddress
@@ -19,6 +24,8 @@ import sys
 from pathlib import Path
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+EXIT_PORT_IN_USE = 2  # bad input: the --port chosen
+BANNER_ENV = "DASHBOARD_BANNER"  # the lines gunicorn's hook prints once the worker is ready
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -135,7 +142,27 @@ def gunicorn_command(args: argparse.Namespace) -> list[str]:
     ]
     if gunicorn_major() >= 25:
         command.append("--no-control-socket")  # gunicorn 25+ would otherwise create ~/.gunicorn/gunicorn.ctl
+    command += ["--config", "python:dashboard.gunicorn_hooks"]  # prints the URLs once the worker is up
     return command + ["dashboard:create_app()"]
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound (in use, no such address), else None; the socket is closed again."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn and werkzeug bind
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} on {host} is already in use (another dashboard?); choose another with --port"
+            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
+def print_banner(lines: list[str]) -> None:
+    for line in lines:
+        print(line, file=sys.stderr if line.startswith("WARNING") else sys.stdout, flush=True)
 
 
 def use_gunicorn(choice: str) -> bool:
@@ -149,24 +176,33 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     token = os.environ.get("DASHBOARD_TOKEN") or None
     os.environ["DASHBOARD_LOGDIR"] = str(Path(args.logdir).resolve())
-    for line in banner(args, token):
-        print(line, file=sys.stderr if line.startswith("WARNING") else sys.stdout, flush=True)
+    lines = banner(args, token)
     gunicorn = use_gunicorn(args.server)
     if args.dry_run:
+        print_banner(lines)
         print("server:", " ".join(gunicorn_command(args)) if gunicorn else "flask (threaded)")
         return
+    problem = port_problem(args.host, args.port)
+    if problem:
+        print(f"launch_dashboard.sh: error: {problem}", file=sys.stderr)
+        raise SystemExit(EXIT_PORT_IN_USE)
     if args.nice:
         try:
             os.nice(args.nice)
         except (AttributeError, OSError):
             pass
     if gunicorn:
+        os.environ[BANNER_ENV] = "\n".join(lines)
         command = gunicorn_command(args)
         os.execv(command[0], command)
+    from werkzeug.serving import make_server
+
     from . import create_app
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # request lines would print ?token=
-    create_app().run(host=args.host, port=args.port, threaded=True, debug=False, use_reloader=False)
+    server = make_server(args.host, args.port, create_app(), threaded=True)  # binds here
+    print_banner(lines)
+    server.serve_forever()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@
 # torch comes first and pinned (TORCH_SPEC, default torch==2.13.0) only when the venv has none:
 # users with a CUDA build keep theirs, and machines with a local wheel take the fast path.
 # Usage: setup_venv "train" | "train,dashboard,test"
+#
+# Quiet unless KIT_VERBOSE=1 (launch_training.sh --verbose): pip's progress, and setuptools' boxed
+# "Editable installation" warning (about folders named like the package shadowing it; this repository
+# has none), are hidden by a filter on that one warning, passed to the build through PYTHONWARNINGS.
+EDITABLE_WARNING_FILTER="ignore:Editable installation:Warning:setuptools.command.editable_wheel"
 setup_venv() {
   local extras="$1"
   local root; root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,6 +28,10 @@ setup_venv() {
     python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}" || return 1
   fi
   echo "[setup] installing the kit with extras [$extras]" >&2
-  python -m pip install -q -e "$root[$extras]" || return 1
+  if [ "${KIT_VERBOSE:-0}" != "0" ]; then
+    python -m pip install -e "$root[$extras]" || return 1
+  else
+    PYTHONWARNINGS="$EDITABLE_WARNING_FILTER" python -m pip install -q -e "$root[$extras]" || return 1
+  fi
   touch "$stamp"
 }

@@ -8,6 +8,8 @@ given random weights (so merging visibly changes the model); one comes from a re
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -345,3 +347,17 @@ def test_full_fine_tune_checkpoint_exports_its_own_weights(tmp_path):
     assert got["tokens"] == reference["tokens"]
     torch.testing.assert_close(got["logits"], reference["logits"])
     assert "full fine-tuned model" in (out / "README.md").read_text()
+
+
+def test_merged_export_files_follow_the_umask(tmp_path):
+    """transformers writes model.safetensors through a 0600 temporary file; the export must not keep that."""
+    checkpoint, _ = make_run(tmp_path, "tiny-llama")
+    out = tmp_path / "merged"
+    previous = os.umask(0o027)
+    try:
+        assert cli(["export", str(checkpoint), "--out", str(out), "--merge", "--dtype", "fp32"]) == 0
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()}
+    assert "model.safetensors" in modes and "README.md" in modes
+    assert set(modes.values()) == {0o640}, modes

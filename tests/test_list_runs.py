@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -165,3 +166,24 @@ def test_list_runs_from_the_command_line_without_torch(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert len(json.loads(result.stdout)) == 5
+
+
+def test_list_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`python -m trainer list --json | head`: the reader is gone; no BrokenPipeError traceback."""
+    build_root(tmp_path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # like `head` after its lines: every write now fails with EPIPE
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "trainer", "list", "--json", "--root", str(tmp_path)],
+            cwd=REPO,
+            env=trainer_env(),
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 141  # 128 + SIGPIPE, as `cat` reports it

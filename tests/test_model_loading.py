@@ -111,6 +111,6 @@ def test_full_finetune_resumes_from_full_weights(write_config, tmp_path):
     first = run_trainer("train", "--config", str(config), "--set", "training.max_steps=2")
     assert first.returncode == 0, first.stderr[-2000:]
     assert (tmp_path / "run" / "final-checkpoint-2" / "model.safetensors").is_file()
-    second = run_trainer("train", "--config", str(config))
+    second = run_trainer("train", "--config", str(config), "--extend")  # the 2-step run finished
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resuming from" in second.stdout and (tmp_path / "run" / "final-checkpoint-4").is_dir()

@@ -50,7 +50,8 @@ def test_plan_rejects_oom_picks_fastest_and_writes_config(write_config, tmp_path
     assert statuses[(8, 64)] == "oom" and statuses[(8, 32)] == "oom"
     fitting = [c for c in record["candidates"] if c["status"] == "ok"]
     assert record["chosen"] == max(fitting, key=lambda c: c["tokens_per_sec"])
-    chosen_cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert not (tmp_path / "run" / "config.yaml").exists()  # a run's own record; the plan writes beside it
+    chosen_cfg = yaml.safe_load((tmp_path / "run" / "planned_config.yaml").read_text())
     assert chosen_cfg["training"]["micro_batch_size"] == record["chosen"]["micro"]
     assert (
         chosen_cfg["training"]["micro_batch_size"] * chosen_cfg["training"]["gradient_accumulation_steps"]
@@ -58,6 +59,10 @@ def test_plan_rejects_oom_picks_fastest_and_writes_config(write_config, tmp_path
     )
     assert chosen_cfg["data"]["max_length"] == record["chosen"]["max_length"]
     assert "<- chosen" in result.stdout
+    assert (
+        f"train with: ./launch_training.sh --config {tmp_path / 'run' / 'planned_config.yaml'}"
+        in result.stdout
+    )
 
 
 def test_nothing_fits_is_a_clear_failure(write_config, tmp_path):

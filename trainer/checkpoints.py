@@ -14,7 +14,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.runlog import BEST_ADAPTER_DIR, CHECKPOINT_PREFIX, FINAL_PREFIX, TRAINER_STATE, checkpoint_step
+from trainer.runlog import (
+    BEST_ADAPTER_DIR,
+    CHECKPOINT_PREFIX,
+    FINAL_PREFIX,
+    TRAINER_STATE,
+    checkpoint_step,
+    read_run_json,
+)
 
 TMP_PREFIX = ".tmp-"
 STATE_DIR = "training_state"
@@ -68,6 +75,29 @@ def list_checkpoints(output_dir: Path, include_final: bool = True) -> list[Check
 def latest_checkpoint(output_dir: Path) -> CheckpointInfo | None:
     checkpoints = list_checkpoints(output_dir)
     return checkpoints[-1] if checkpoints else None
+
+
+@dataclass
+class FinishedRun:
+    step: int
+    checkpoint: Path | None  # its final checkpoint, when still on disk
+
+
+def finished_run(output_dir: Path) -> FinishedRun | None:
+    """The run in ``output_dir`` if it finished: its latest checkpoint is a final one, or run.json says so.
+
+    Resuming such a run would re-save its final checkpoint and log a second run_end, so the train
+    command asks first (trainer/commands/train.py). A run extended past its final checkpoint has a
+    later periodic checkpoint and counts as unfinished until its new final one.
+    """
+    latest = latest_checkpoint(output_dir)
+    if latest is not None and latest.path.name.startswith(FINAL_PREFIX):
+        return FinishedRun(latest.step, latest.path)
+    info = read_run_json(output_dir)
+    if info.get("status") == "finished" and isinstance(info.get("step"), int):
+        if latest is None or latest.step <= info["step"]:
+            return FinishedRun(info["step"], None)
+    return None
 
 
 def resolve_resume_path(path: str | Path) -> CheckpointInfo:

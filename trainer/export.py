@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -402,6 +403,7 @@ def export(
     if source.run_dir is not None:
         shutil.copy2(source.run_dir / runlog.CONFIG_YAML, out / "training_config.yaml")
     (out / "README.md").write_text(model_card(source, cfg, merged, details))
+    respect_umask(out)
     return {
         "checkpoint": str(source.checkpoint),
         "out": str(out),
@@ -409,6 +411,19 @@ def export(
         "files": sorted(p.name for p in out.iterdir()),
         **details,
     }
+
+
+def respect_umask(out: Path) -> None:
+    """Give every exported file the mode a plain ``open()`` would (0644 under umask 022).
+
+    transformers writes ``model.safetensors`` through a private temporary file (mode 0600) and renames
+    it, so a merged export was unreadable to the group that can read the rest of the folder.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
 
 
 def push_to_hub(out: Path, repo_id: str, private: bool) -> str:

@@ -1,7 +1,10 @@
 """``plan``: dry-run candidate micro-batch / sequence-length shapes and pick the fastest that fits.
 
-Writes ``<output_dir>/plan.json`` (every candidate) and ``<output_dir>/config.yaml`` with the choice,
-so ``./launch_training.sh --config <output_dir>/config.yaml`` trains with it; ``train --auto-plan`` does both.
+Writes ``<output_dir>/plan.json`` (every candidate) and ``<output_dir>/planned_config.yaml`` (the
+config with the choice), so ``./launch_training.sh --config <output_dir>/planned_config.yaml`` trains
+with it; ``train --auto-plan`` plans and trains in one go. A plan is for a new run: it never writes
+into a run's own files (``config.yaml`` is the record of what a run used) and refuses, with exit
+code 3, a folder that already holds checkpoints.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ import sys
 from pathlib import Path
 
 from trainer.commands import add_config_arguments, load_config_from_args
+
+PLAN_JSON = "plan.json"
+PLANNED_CONFIG = "planned_config.yaml"
 
 
 def add_plan_arguments(parser) -> None:
@@ -27,25 +33,71 @@ def add_plan_arguments(parser) -> None:
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("plan", help="pick micro-batch and sequence length by dry runs")
+    parser = subparsers.add_parser(
+        "plan",
+        help="pick micro-batch and sequence length by dry runs (for a new run folder)",
+        description="Writes plan.json and planned_config.yaml into paths.output_dir; refuses (exit 3) "
+        "a folder that already holds checkpoints.",
+    )
     add_config_arguments(parser)
     add_plan_arguments(parser)
     parser.set_defaults(func=run)
 
 
+def free_sibling(out: Path) -> Path:
+    """``<out>-plan``, or ``-plan-2``, ``-plan-3``...: the first name no folder has yet."""
+    candidate, n = out.with_name(f"{out.name}-plan"), 2
+    while candidate.exists():
+        candidate, n = out.with_name(f"{out.name}-plan-{n}"), n + 1
+    return candidate
+
+
+def refusal(out: Path, verb: str) -> str | None:
+    """One line when ``out`` holds checkpoints (a run a new shape would corrupt), else None."""
+    from trainer.checkpoints import list_checkpoints
+
+    checkpoints = list_checkpoints(out)
+    if not checkpoints:
+        return None
+    return (
+        f"{verb}: {out} already holds a run ({checkpoints[-1].path.name}); a plan is for a new run and "
+        f"changes nothing there. Plan into a new folder: --set paths.output_dir={free_sibling(out)}"
+    )
+
+
 def run(args) -> int:
+    from trainer.cli import EXIT_RUN_EXISTS
+    from trainer.config import dump_config
+
     cfg = load_config_from_args(args)
+    out = Path(cfg.paths.output_dir)
+    refused = refusal(out, "plan")
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return EXIT_RUN_EXISTS
     chosen_cfg = plan_and_record(cfg, args)
     if chosen_cfg is None:
         return 1
-    out = Path(cfg.paths.output_dir)
-    print(f"train with: ./launch_training.sh --config {out / 'config.yaml'}")
+    dump_config(chosen_cfg, out / PLANNED_CONFIG)
+    print(f"plan: {out / PLAN_JSON}; config with the choice: {out / PLANNED_CONFIG}")
+    print(f"train with: ./launch_training.sh --config {out / PLANNED_CONFIG}")
     return 0
 
 
+def recorded_plan(cfg):
+    """The config with the choice already recorded in ``<output_dir>/plan.json``, else None."""
+    from trainer.planner import Candidate, apply_plan
+
+    try:
+        chosen = json.loads((Path(cfg.paths.output_dir) / PLAN_JSON).read_text()).get("chosen")
+        return apply_plan(cfg, Candidate(**chosen)) if chosen else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def plan_and_record(cfg, args):
-    """Run the planner, print the table, write plan.json and the chosen config; None when nothing fits."""
-    from trainer.config import ConfigError, dump_config
+    """Run the planner, print the table, write plan.json; the chosen config, or None when nothing fits."""
+    from trainer.config import ConfigError
     from trainer.planner import apply_plan, plan
 
     try:
@@ -70,13 +122,11 @@ def plan_and_record(cfg, args):
         "chosen": chosen.as_dict() if chosen else None,
         "candidates": [c.as_dict() for c in candidates],
     }
-    (out / "plan.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / PLAN_JSON).write_text(json.dumps(record, indent=2) + "\n")
     if chosen is None:
         print(
             "error: no candidate fits in memory; lower data.max_length or use gradient checkpointing",
             file=sys.stderr,
         )
         return None
-    new_cfg = apply_plan(cfg, chosen)
-    dump_config(new_cfg, out / "config.yaml")
-    return new_cfg
+    return apply_plan(cfg, chosen)
