@@ -12,11 +12,8 @@ from trainer import runfolder
 
 
 def find_runs(root: Path) -> list[Path]:
-    """Run folders (a run.json inside) directly under root or one level down (sweeps group runs)."""
-    found = {p.parent for pattern in ("*/run.json", "*/*/run.json") for p in root.glob(pattern)}
-    if (root / runfolder.RUN_JSON).is_file():
-        found.add(root)
-    return sorted(found)
+    """Run folders under root (the run-folder library's discovery, as the dashboard and ``aggregate`` use)."""
+    return sorted(runfolder.find_run_folders(Path(root)).values())
 
 
 def eval_section(run_dir: Path) -> dict:
