@@ -112,7 +112,7 @@ def naive_app(root: Path):
     import numpy as np
     from flask import Flask, jsonify, request
 
-    from dashboard.series import downsample_indices, last_ema
+    from trainer.runfolder.series import downsample_indices, last_ema
 
     app = Flask("naive")
     log = root / RUN / runlog.LOGS_DIR / runlog.TRAINING_LOG

@@ -2,8 +2,8 @@
 
 ``create_app(log_root)`` is the Flask app factory: gunicorn serves ``dashboard:create_app()``
 (log root from ``DASHBOARD_LOGDIR``), tests call it with a temporary folder.
-Imports nothing from the training stack: only Flask, matplotlib, ``trainer.runlog`` and (for the
-runs overview) ``trainer.aggregate``, which is standard library only.
+Imports nothing from the training stack: only Flask, numpy, matplotlib and the run-folder library
+``trainer.runfolder`` (standard library only, plus numpy/matplotlib for its plots).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .errors import DashboardError
 from .runs import RunRegistry, StallPolicy
 
 if TYPE_CHECKING:
-    from .plots import PlotCache
+    from .plot_cache import PlotCache
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ class DashboardState:
 def create_app(log_root: str | os.PathLike | None = None, test_config: dict | None = None) -> Flask:
     """Build the app for the run folders under ``log_root`` (default: $DASHBOARD_LOGDIR, else ./runs)."""
     from . import api, auth, overview, views  # here, so `python -m dashboard --help` stays quick
-    from .plots import PlotCache
+    from .plot_cache import PlotCache
 
     app = Flask(
         __name__,

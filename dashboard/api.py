@@ -11,10 +11,12 @@ import re
 
 from flask import Blueprint, Response, current_app, jsonify, make_response, request
 
-from . import data, plots, prometheus
+from trainer.runfolder import plots
+from trainer.runfolder.plots import PLOT_NAMES, PLOT_SOURCES, PlotOptions
+from trainer.runfolder.series import SMOOTHING_MODES
+
+from . import data, prometheus
 from .errors import DashboardError, bool_arg, choice_arg, float_arg, int_arg
-from .plots import PLOT_NAMES, PLOT_SOURCES, PlotOptions
-from .series import SMOOTHING_MODES
 
 bp = Blueprint("api", __name__)
 

@@ -7,26 +7,24 @@ Non-finite numbers come back as None; records come back as the trainer wrote the
 from __future__ import annotations
 
 import math
-import os
 import time
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import numpy as np
 
-from trainer import runlog
+from trainer import runfolder
+from trainer.runfolder.columns import as_float, finite, record_ts
+from trainer.runfolder.reader import read_json_object, tail_records
+from trainer.runfolder.records import EvalRecord, TrainRecord
+from trainer.runfolder.rundata import RunData, files_mtime
+from trainer.runfolder.series import downsample_indices, last_ema
+from trainer.runfolder.summaries import best_eval, checkpoint_rows, experts  # noqa: F401 - api calls data.experts
 
-from .columns import as_float, finite, record_ts
 from .errors import DashboardError
-from .reader import inside, tail_records
-from .rundata import RunData, files_mtime, read_json_under
 from .runs import RunRegistry, StallPolicy, assess
-from .series import downsample_indices, last_ema
 
-TRAIN_FIELDS = tuple(f for f in runlog.REQUIRED_FIELDS[runlog.TRAINING_LOG] if f != "step") + (
-    "aux_loss",
-    "skipped",
-)
-EVAL_FIELDS = ("ts", "eval_loss", "perplexity", "eval_tokens")
+TRAIN_FIELDS = tuple(f for f in (*TrainRecord.required(), *TrainRecord.optional()) if f != "step")
+EVAL_FIELDS = tuple(f for f in EvalRecord.required() if f != "step")
 
 
 def _last_ts(records: list[dict]) -> float | None:
@@ -85,26 +83,6 @@ def run_status(run: RunData, policy: StallPolicy, now: float) -> tuple[str, str]
         now,
         policy,
     )
-
-
-def best_eval(run: RunData) -> dict | None:
-    """The evaluation flagged ``is_best`` last, else the lowest finite eval_loss."""
-    records = run.evals.records()
-    flagged = [r for r in records if r.get("is_best") is True]
-    if flagged:
-        best = flagged[-1]
-    else:
-        scored = [r for r in records if finite(r.get("eval_loss")) is not None]
-        if not scored:
-            return None
-        best = min(scored, key=lambda r: r["eval_loss"])
-    return {
-        "step": best.get("step"),
-        "eval_loss": finite(best.get("eval_loss")),
-        "perplexity": finite(best.get("perplexity")),
-        "metrics": best.get("metrics") if isinstance(best.get("metrics"), dict) else None,
-        "task": best.get("task"),
-    }
 
 
 def smoothed_loss(run: RunData, step: int | None) -> float | None:
@@ -179,11 +157,11 @@ def stats(run: RunData, policy: StallPolicy, now: float | None = None) -> dict:
 
 def run_summary(name: str, path: Path, root: Path, policy: StallPolicy, now: float) -> dict:
     """A run's line in /api/runs, from run.json and the tails of its logs (cheap for many runs)."""
-    logs = path / runlog.LOGS_DIR
-    info = read_json_under(path / runlog.RUN_JSON, root)
-    train = [r for r in tail_records(logs / runlog.TRAINING_LOG, root) if isinstance(r.get("step"), int)]
-    events = tail_records(logs / runlog.EVENTS_LOG, root)
-    errors = tail_records(logs / runlog.ERROR_LOG, root)
+    logs = path / runfolder.LOGS_DIR
+    info = read_json_object(path / runfolder.RUN_JSON, root)
+    train = [r for r in tail_records(logs / runfolder.TRAINING_LOG, root) if isinstance(r.get("step"), int)]
+    events = tail_records(logs / runfolder.EVENTS_LOG, root)
+    errors = tail_records(logs / runfolder.ERROR_LOG, root)
     latest = train[-1] if train else {}
     train_ts = [t for t in map(record_ts, train) if t is not None]
     times = [
@@ -352,101 +330,6 @@ def errors(run: RunData) -> dict:
 # ---------------------------------------------------------------- checkpoints
 
 
-def _folder_size(path: Path) -> int:
-    total = 0
-    for folder, _dirs, files in os.walk(path):
-        for name in files:
-            file_path = os.path.join(folder, name)
-            if os.path.islink(file_path):
-                continue
-            try:
-                total += os.stat(file_path).st_size
-            except OSError:
-                pass
-    return total
-
-
-def _name_from_path(path, fallback: str) -> str:
-    return PurePosixPath(path).name if isinstance(path, str) and path else fallback
-
-
-def checkpoint_rows(run: RunData) -> list[dict]:
-    """Checkpoints from checkpoint_saved/pruned events and the folders on disk, by step."""
-    folders = run.checkpoint_folders()
-    rows: dict[str, dict] = {}
-    pruned_names: set[str] = set()
-    for event in run.events.items:
-        kind = event["event"]
-        step = event.get("step") if isinstance(event.get("step"), int) else None
-        if kind == "checkpoint_saved":
-            name = _name_from_path(event.get("path"), f"{runlog.CHECKPOINT_PREFIX}{step}")
-            rows[name] = {
-                "name": name,
-                "step": step if step is not None else runlog.checkpoint_step(name),
-                "ts": record_ts(event),
-                "size_bytes": finite(event.get("size_bytes")),
-                "metric": event.get("metric"),
-                "metric_value": finite(event.get("metric_value")),
-                "kind": event.get("kind"),
-            }
-            pruned_names.discard(name)
-        elif kind == "checkpoint_pruned":
-            pruned_names.add(_name_from_path(event.get("path"), f"{runlog.CHECKPOINT_PREFIX}{step}"))
-    for name, folder in folders.items():
-        if name not in rows:
-            rows[name] = _row_from_folder(run, name, folder)
-    for name in pruned_names - rows.keys():
-        rows[name] = {
-            "name": name,
-            "step": runlog.checkpoint_step(name),
-            "ts": None,
-            "size_bytes": None,
-            "metric": None,
-            "metric_value": None,
-            "kind": None,
-        }
-    best_name, best_step = _best_checkpoint(run, rows)
-    for name, row in rows.items():
-        row["on_disk"] = name in folders
-        row["pruned"] = name in pruned_names or not row["on_disk"]
-        row["best"] = name == best_name or (
-            best_name is None and best_step is not None and row["step"] == best_step
-        )
-    return sorted(rows.values(), key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"]))
-
-
-def _row_from_folder(run: RunData, name: str, folder: dict) -> dict:
-    """A checkpoint folder no event told us about: its trainer_state.json and size on disk."""
-    cache_key = (name, folder["mtime"])
-    cached = run.folder_cache.get(cache_key)
-    if cached is None:
-        state = read_json_under(folder["path"] / runlog.TRAINER_STATE, run.root)
-        size = _folder_size(folder["path"]) if inside(folder["path"], run.root) else None
-        cached = run.folder_cache[cache_key] = (state, size)
-    state, size = cached
-    final = name.startswith(runlog.FINAL_PREFIX)
-    return {
-        "name": name,
-        "step": folder["step"],
-        "ts": finite(state.get("ts")) or folder["mtime"],
-        "size_bytes": size,
-        "metric": state.get("metric"),
-        "metric_value": finite(state.get("metric_value")),
-        "kind": "final" if final else None,
-    }
-
-
-def _best_checkpoint(run: RunData, rows: dict[str, dict]) -> tuple[str | None, int | None]:
-    """The last best_updated event names the best checkpoint (by folder name, else by step)."""
-    for event in reversed(run.events.items):
-        if event["event"] == "best_updated":
-            step = event.get("step") if isinstance(event.get("step"), int) else None
-            name = _name_from_path(event.get("path"), "")
-            return (name if name in rows else None), step
-    best = best_eval(run)
-    return None, (best["step"] if best else None)
-
-
 def checkpoints(run: RunData) -> dict:
     with run.lock:
         rows = checkpoint_rows(run)
@@ -509,72 +392,3 @@ def _device_series(cols, fields: list[str] | None, since_ts: float | None, max_p
             "dropped": len(values) - len(keep),
         }
     return out
-
-
-# ---------------------------------------------------------------- experts
-
-
-def experts(run: RunData, window: str, from_step: int | None, to_step: int | None) -> dict:
-    """Expert selection per layer summed over the chosen windows: counts, fractions, balance.
-
-    ``window``: ``latest`` (the last logged window), ``all``, or ``range`` with
-    ``from_step``/``to_step`` (windows whose end step falls in it, inclusive).
-    """
-    with run.lock:
-        steps = run.experts.steps()
-        if window == "latest":
-            chosen = steps[-1:]
-        elif window == "all":
-            chosen = steps
-        else:
-            lo = from_step if from_step is not None else 0
-            hi = to_step if to_step is not None else math.inf
-            chosen = [s for s in steps if lo <= s <= hi]
-        windows = [run.experts.windows[s] for s in chosen]
-        layers = _sum_layers(windows)
-        first = windows[0] if windows else {}
-        last = windows[-1] if windows else {}
-        return {
-            "run": run.name,
-            "window": window,
-            "windows": len(windows),
-            "available_steps": steps,
-            "from_step": first.get("start_step"),
-            "to_step": last.get("step"),
-            "num_experts": last.get("num_experts"),
-            "top_k": last.get("top_k"),
-            "layers": layers,
-            "matrix": [layer["fractions"] for layer in layers],
-        }
-
-
-def _sum_layers(windows: list[dict]) -> list[dict]:
-    totals: dict[int, dict] = {}
-    for window in windows:
-        for layer in window["layers"]:
-            entry = totals.setdefault(
-                layer["layer"], {"layer": layer["layer"], "name": layer["name"], "counts": []}
-            )
-            counts = entry["counts"]
-            if len(counts) < len(layer["counts"]):
-                counts.extend([0.0] * (len(layer["counts"]) - len(counts)))
-            for i, value in enumerate(layer["counts"]):
-                counts[i] += value
-    return [_balance(totals[k]) for k in sorted(totals)]
-
-
-def _balance(entry: dict) -> dict:
-    counts = entry["counts"]
-    total = sum(counts)
-    fractions = [c / total if total else 0.0 for c in counts]
-    mean = total / len(counts) if counts else 0.0
-    entropy = -sum(f * math.log(f) for f in fractions if f > 0)
-    return {
-        **entry,
-        "counts": [int(c) if float(c).is_integer() else c for c in counts],
-        "fractions": fractions,
-        "selections": total,
-        "imbalance": (max(counts) / mean) if mean else None,
-        "entropy": entropy,
-        "max_entropy": math.log(len(counts)) if counts else None,
-    }

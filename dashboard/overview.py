@@ -1,9 +1,9 @@
 """The runs overview: every run under the log root in one sortable table (``/runs``, ``/api/overview``).
 
 Status and progress come from the same cheap per-run summary as /api/runs; the best metric is the
-run's best evaluation by its task's official metric (``trainer.aggregate.best_evaluation``, as the
-``aggregate`` verb picks it); the sweep a run belongs to comes from the ``sweep.json`` files under
-the root (trainer/sweep writes them). The page and the API call the same ``overview`` function.
+run's best evaluation by the one rule (``trainer.runfolder.best``, as the run page, ``list`` and
+``aggregate`` pick it); the sweep a run belongs to comes from the ``sweep.json`` files under the
+root (trainer/sweep writes them). The page and the API call the same ``overview`` function.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from pathlib import Path
 
 from flask import Blueprint, current_app, jsonify, render_template, request
 
-from trainer import runlog
+from trainer import runfolder
+from trainer.runfolder.best import record_task
+from trainer.runfolder.columns import finite
+from trainer.runfolder.discovery import find_sweeps, sweep_jobs, sweep_name
+from trainer.runfolder.reader import tail_records
 
 from . import data
-from .columns import finite
 from .errors import choice_arg
-from .reader import tail_records
-from .rundata import read_json_under
 from .runs import RunRegistry, StallPolicy
 
 bp = Blueprint("overview", __name__)
 
-SWEEP_JSON = "sweep.json"
 EVAL_TAIL_BYTES = 4 << 20  # evaluation logs are short; this holds thousands of evaluations
 SORT_KEYS = ("name", "sweep", "status", "progress", "best", "step", "started_at", "last_activity")
 NUMERIC_KEYS = ("progress", "best", "step", "started_at", "last_activity")
@@ -43,41 +43,39 @@ COLUMNS = (
 
 def sweep_index(root: Path) -> tuple[dict[str, str], list[dict]]:
     """(run folder's real path -> sweep name, one summary per sweep) from sweep.json files."""
-    membership: dict[str, str] = {}
-    sweeps = []
-    for path in [root / SWEEP_JSON, *root.glob(f"*/{SWEEP_JSON}"), *root.glob(f"*/*/{SWEEP_JSON}")]:
-        summary = read_json_under(path, root)
-        jobs = summary.get("jobs")
-        if not isinstance(jobs, list):
-            continue
-        name = str(summary.get("sweep") or path.parent.name)
-        for job in jobs:
-            if isinstance(job, dict) and isinstance(job.get("output_dir"), str):
-                membership[os.path.realpath(job["output_dir"])] = name
+    sweeps = find_sweeps(root, confine=True)
+    membership = {path: job["sweep"] for path, job in sweep_jobs(sweeps).items()}
+    rows = []
+    for path, summary in sweeps:
         counts = summary.get("counts") if isinstance(summary.get("counts"), dict) else {}
-        sweeps.append(
+        rows.append(
             {
-                "sweep": name,
+                "sweep": sweep_name(path, summary),
                 "folder": str(path.parent.relative_to(root)) if path.parent != root else ".",
                 "status": summary.get("status"),
-                "jobs": len(jobs),
+                "jobs": len(summary["jobs"]),
                 "counts": {k: v for k, v in counts.items() if isinstance(v, int)},
                 "updated_at": finite(summary.get("updated_at")),
             }
         )
-    return membership, sweeps
+    return membership, rows
 
 
 def best_of(path: Path, root: Path) -> dict | None:
-    # Imported here: trainer.aggregate (and the task table it reads) is standard library only, yet
-    # the other pages keep their promise of importing nothing from trainer but runlog.
-    from trainer.aggregate import best_evaluation
-
-    records = tail_records(path / runlog.LOGS_DIR / runlog.EVAL_LOG, root, EVAL_TAIL_BYTES)
-    best = best_evaluation(records)
+    """The run's best evaluation from the tails of its eval log and events (cheap for many runs)."""
+    logs = path / runfolder.LOGS_DIR
+    evals = tail_records(logs / runfolder.EVAL_LOG, root, EVAL_TAIL_BYTES)
+    events = tail_records(logs / runfolder.EVENTS_LOG, root)  # only folders without the eval stamp need them
+    best = runfolder.best_evaluation(evals, events)
     if best is None:
         return None
-    return {k: best[k] for k in ("metric", "value", "step", "task", "greater_is_better")}
+    return {
+        "metric": best.metric.name,
+        "value": best.value,
+        "step": best.step,
+        "task": record_task(evals),
+        "greater_is_better": best.metric.greater_is_better,
+    }
 
 
 def _sort_value(row: dict, key: str):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 
-from trainer import runlog
+from trainer import runfolder
 
-STATUSES = (*runlog.STATUSES, "stalled")
+STATUSES = (*runfolder.STATUSES, "stalled")
 
 # (metric name, help, key in the stats dict)
 RUN_GAUGES = (

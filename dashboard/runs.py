@@ -14,14 +14,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer import runlog
+from trainer import runfolder
+from trainer.runfolder.columns import record_ts
+from trainer.runfolder.reader import inside, read_json_object
+from trainer.runfolder.rundata import RunData
 
-from .columns import record_ts
 from .errors import DashboardError
-from .reader import inside
-from .rundata import RunData, read_json_under
-
-MAX_DEPTH = 4
 
 
 def discover(root: Path) -> dict[str, Path]:
@@ -29,12 +27,12 @@ def discover(root: Path) -> dict[str, Path]:
 
     The root itself may be a run; it is then the only one, named after its folder.
     """
-    return runlog.find_run_folders(root, MAX_DEPTH, keep=lambda path: inside(path, root))
+    return runfolder.find_run_folders(root, keep=lambda path: inside(path, root))
 
 
 def started_at(path: Path, root: Path) -> float:
     """When a run started: run.json's ``started_at``, else its folder's modification time."""
-    value = read_json_under(path / runlog.RUN_JSON, root).get("started_at")
+    value = read_json_object(path / runfolder.RUN_JSON, root).get("started_at")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     try:
@@ -75,7 +73,7 @@ class RunRegistry:
         runs = self.runs()
         if not runs:
             raise DashboardError(
-                404, f"no runs under the log root yet (a run is a folder with {runlog.RUN_JSON} or logs/)"
+                404, f"no runs under the log root yet (a run is a folder with {runfolder.RUN_JSON} or logs/)"
             )
         return next(iter(runs))
 

@@ -6,9 +6,10 @@ import datetime as dt
 
 from flask import Blueprint, current_app, render_template, request, url_for
 
+from trainer.runfolder.plots import PLOT_NAMES, PLOT_SOURCES
+
 from . import data
 from .errors import DashboardError, float_arg
-from .plots import PLOT_NAMES, PLOT_SOURCES
 
 bp = Blueprint("views", __name__)
 

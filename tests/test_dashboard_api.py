@@ -166,7 +166,7 @@ def test_metrics_of_eval_log(client):
 def test_new_records_are_read_incrementally(client, log_root: Path, monkeypatch):
     get(client, "/api/stats")
     parsed = []
-    import dashboard.reader as reader
+    import trainer.runfolder.reader as reader
 
     original = reader.parse_lines
     monkeypatch.setattr(reader, "parse_lines", lambda lines: parsed.append(len(lines)) or original(lines))

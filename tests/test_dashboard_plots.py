@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dashboard.plots import PLOT_NAMES, PlotOptions, figure, write_report
-from dashboard.rundata import RunData
-from dashboard.series import ema, moving_average
 from tests.dashboard_fixtures import *  # noqa: F403
 from tests.dashboard_fixtures import DEMO, NAN_STEP, RESUME_STEP, append, train_record
 from trainer import runlog
+from trainer.runfolder.plots import PLOT_NAMES, PlotOptions, figure, write_report
+from trainer.runfolder.rundata import RunData
+from trainer.runfolder.series import ema, moving_average
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

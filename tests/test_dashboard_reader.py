@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dashboard.columns import StepTable
-from dashboard.reader import LogTail, parse_lines, tail_records
-from dashboard.rundata import RunData
-from dashboard.series import downsample_indices, ema, ema_reference, last_ema, moving_average
 from tests.dashboard_fixtures import append, train_record
 from trainer import runlog
+from trainer.runfolder.columns import StepTable
+from trainer.runfolder.reader import LogTail, parse_lines, tail_records
+from trainer.runfolder.rundata import RunData
+from trainer.runfolder.series import downsample_indices, ema, ema_reference, last_ema, moving_average
 
 
 def read_all(tail: LogTail) -> list[dict]:
@@ -76,7 +76,7 @@ def test_truncated_or_replaced_file_starts_over(tmp_path: Path):
 
 
 def test_large_log_is_read_in_chunks(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr("dashboard.reader.CHUNK_BYTES", 1000)
+    monkeypatch.setattr("trainer.runfolder.reader.CHUNK_BYTES", 1000)
     log = tmp_path / "training_log.jsonl"
     append(log, [train_record(s, float(s), 1.0) for s in range(1, 301)])
     tail = LogTail(log, tmp_path)

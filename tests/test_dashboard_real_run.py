@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dashboard import create_app
-from dashboard.plots import PLOT_NAMES
 from trainer import runlog
+from trainer.runfolder.plots import PLOT_NAMES
 
 
 def log(run: Path, name: str) -> list[dict]:

@@ -1,14 +1,15 @@
-"""Results across runs: each run's best evaluation by its task's official metric, then mean ± std
-over seeds for every (dataset, experiment), written as CSV, JSON, Markdown and a PNG plot.
+"""Results across runs: each run at its best evaluation, then mean ± std over seeds for every
+(dataset, experiment), written as CSV, JSON, Markdown and a PNG plot.
 
-Official metrics (the first picks the best evaluation, the others are read at that evaluation):
-CoLA Matthews correlation; MRPC and QQP F1 and accuracy; STS-B Pearson and Spearman; MNLI matched
-and mismatched accuracy; other GLUE tasks accuracy; Spider (text-to-SQL) execution accuracy and
-exact match; no task metric: eval loss (lower is better) and perplexity.
+A run's best evaluation is the one rule of ``trainer.runfolder.best`` (the metric the run ranked its
+checkpoints by; folders that do not say: the task's official metric), so this table names the
+checkpoint the run kept, as the dashboard and ``list`` do. At that evaluation the task's official
+metrics are reported (``trainer.runfolder.official_metrics``: CoLA Matthews correlation; MRPC and QQP
+F1 and accuracy; STS-B Pearson and Spearman; MNLI matched and mismatched accuracy; other GLUE tasks
+accuracy; Spider execution accuracy and exact match; no task metric: eval loss and perplexity).
 
-Import-light (standard library, yaml, and pydantic through trainer.config when a run's config is
-read; matplotlib only inside ``write_plot``): the dashboard
-reuses ``best_evaluation``. Runs with missing or broken logs become ``problems``, never errors.
+Standard library, yaml and pydantic (a run's config.yaml is read through trainer.config's models);
+matplotlib only inside ``write_plot``. Runs with missing or broken logs become ``problems``, never errors.
 """
 
 from __future__ import annotations
@@ -21,79 +22,37 @@ import os
 import re
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from trainer import runlog
-from trainer.tasks.base import MetricForBest
-from trainer.tasks.glue import SPECS as GLUE_SPECS
+from trainer import runfolder
+from trainer.runfolder import LOSS, MetricForBest, config_metric, metric_value, official_metrics
 
-SWEEP_JSON = "sweep.json"  # trainer.sweep.status writes it; read here without importing the sweep
-MAX_DEPTH = 4
 PATH_FIELDS = ("path", "checkpoint", "log")
-LOSS = MetricForBest("eval_loss", greater_is_better=False)
 
 
-@dataclass(frozen=True)
-class Official:
-    """A task's official metrics: ``select`` in order of preference, ``report`` read at the best one."""
+def best_evaluation(
+    records: list[dict], task: str | None = None, events=(), hint: MetricForBest | None = None
+) -> dict | None:
+    """The run's best evaluation (the one rule) and the task's official metrics read at it.
 
-    select: tuple[MetricForBest, ...]
-    report: tuple[str, ...]
-
-
-def official_metrics(task: str | None) -> Official:
-    key = (task or "").lower().replace("-", "").replace("_", "")
-    if key == "mnli":
-        matched = MetricForBest("accuracy_matched")
-        return Official((matched, MetricForBest("accuracy")), ("accuracy_matched", "accuracy_mismatched"))
-    if key in GLUE_SPECS:
-        names = GLUE_SPECS[key].metric_names
-        return Official((MetricForBest(names[0]),), names)
-    if key.startswith("spider") or "sql" in key:
-        return Official((MetricForBest("execution_accuracy"),), ("execution_accuracy", "exact_match"))
-    if key:
-        return Official((MetricForBest("accuracy"),), ("accuracy",))
-    return Official((LOSS,), ("eval_loss", "perplexity"))
-
-
-def metric_value(record: dict, name: str) -> float | None:
-    """A finite number from the record itself (eval_loss, ...) or its task ``metrics``; else None."""
-    value = record.get(name)
-    if value is None and isinstance(record.get("metrics"), dict):
-        value = record["metrics"].get(name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def best_evaluation(records: list[dict], task: str | None = None) -> dict | None:
-    """The best evaluation by the task's official metric (eval loss when no task metric was logged).
-
-    Replayed steps after a resume count once (the last record wins); ties go to the earlier step.
+    ``task`` stands in for one the records do not name; ``events`` and ``hint`` (the metric config.yaml
+    names) matter only for folders written before eval records named their metric.
     Returns ``{task, metric, greater_is_better, value, step, metrics}`` or None when nothing scored.
     """
-    records = runlog.last_per_step(records)
-    if task is None:
-        task = next((r["task"] for r in reversed(records) if isinstance(r.get("task"), str)), None)
-    official = official_metrics(task)
-    for metric in (*official.select, LOSS):
-        best, best_value = None, None
-        for record in records:
-            value = metric_value(record, metric.name)
-            if value is not None and metric.is_better(value, best_value):
-                best, best_value = record, value
-        if best is not None:
-            report = official.report if metric is not LOSS else ("eval_loss", "perplexity")
-            return {
-                "task": task,
-                "metric": metric.name,
-                "greater_is_better": metric.greater_is_better,
-                "value": best_value,
-                "step": best.get("step"),
-                "metrics": {name: metric_value(best, name) for name in report},
-            }
-    return None
+    best = runfolder.best_evaluation(records, events, hint, task)
+    if best is None:
+        return None
+    named = next((r["task"] for r in reversed(records) if isinstance(r.get("task"), str)), None)
+    task = named or task
+    report = official_metrics(task).report if best.metric != LOSS else ("eval_loss", "perplexity")
+    return {
+        "task": task,
+        "metric": best.metric.name,
+        "greater_is_better": best.metric.greater_is_better,
+        "value": best.value,
+        "step": best.step,
+        "metrics": {name: metric_value(best.record, name) for name in report},
+    }
 
 
 # ---------------------------------------------------------------- finding runs
@@ -101,54 +60,25 @@ def best_evaluation(records: list[dict], task: str | None = None) -> dict | None
 
 def find_run_folders(root: Path) -> list[Path]:
     """Run folders (run.json or logs/) under root, at most MAX_DEPTH levels down; root may be one."""
-    return list(runlog.find_run_folders(root, MAX_DEPTH).values())
+    return list(runfolder.find_run_folders(root).values())
 
 
 def sweep_jobs(root: Path) -> dict[str, dict]:
     """Jobs of every sweep.json under root, by their resolved output folder, with the sweep's name."""
-    jobs: dict[str, dict] = {}
-    candidates = [root / SWEEP_JSON, *root.glob(f"*/{SWEEP_JSON}"), *root.glob(f"*/*/{SWEEP_JSON}")]
-    for path in candidates:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(data, dict) or not isinstance(data.get("jobs"), list):
-            continue
-        for job in data["jobs"]:
-            if isinstance(job, dict) and isinstance(job.get("output_dir"), str):
-                jobs[os.path.realpath(job["output_dir"])] = {**job, "sweep": data.get("sweep")}
-    return jobs
-
-
-def read_eval_log(path: Path) -> tuple[list[dict], int]:
-    """Records and the number of unreadable lines (a half-written last line is not counted)."""
-    records, bad = [], 0
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return [], 0
-    lines = data.split(b"\n")
-    for line in lines[:-1]:
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-        else:
-            bad += 1
-    return records, bad
+    return runfolder.sweep_jobs(runfolder.find_sweeps(root))
 
 
 def _config(run_dir: Path):
-    """The run's config.yaml read by the trainer's models (keys of older versions ignored), or None."""
+    """The run's config.yaml read by the trainer's models (keys of older versions ignored), as a dict."""
     from trainer.config import read_run_config
 
-    return read_run_config(run_dir / runlog.CONFIG_YAML)[0]
+    config, _ignored = read_run_config(run_dir / runfolder.CONFIG_YAML)
+    return config.to_dict() if config is not None else {}
+
+
+def _section(config: dict, name: str) -> dict:
+    value = config.get(name)
+    return value if isinstance(value, dict) else {}
 
 
 def derive_experiment(rel: str, dataset: str | None, seed) -> str:
@@ -168,7 +98,7 @@ def derive_experiment(rel: str, dataset: str | None, seed) -> str:
 def _checkpoint(run_dir: Path, step) -> str | None:
     if not isinstance(step, int):
         return None
-    for prefix in (runlog.CHECKPOINT_PREFIX, runlog.FINAL_PREFIX):
+    for prefix in (runfolder.CHECKPOINT_PREFIX, runfolder.FINAL_PREFIX):
         folder = run_dir / f"{prefix}{step}"
         if folder.is_dir():
             return str(folder)
@@ -179,28 +109,29 @@ def analyze_run(run_dir: Path, root: Path, jobs: dict[str, dict]) -> tuple[dict 
     """(result row, None) for a run with a scored evaluation, else (None, problem)."""
     rel = str(run_dir.relative_to(root)) if run_dir != root else run_dir.name
     job = jobs.get(os.path.realpath(run_dir), {})
-    info = runlog.read_run_json(run_dir)
+    info = runfolder.read_run_json(run_dir)
 
     def problem(reason: str) -> tuple[None, dict]:
         return None, {"run": rel, "path": str(run_dir), "status": info.get("status"), "problem": reason}
 
-    eval_path = run_dir / runlog.LOGS_DIR / runlog.EVAL_LOG
+    eval_path = run_dir / runfolder.LOGS_DIR / runfolder.EVAL_LOG
     if not eval_path.is_file():
-        return problem(f"no {runlog.LOGS_DIR}/{runlog.EVAL_LOG}")
-    records, bad = read_eval_log(eval_path)
+        return problem(f"no {runfolder.LOGS_DIR}/{runfolder.EVAL_LOG}")
+    records, bad = runfolder.read_log(eval_path)
     if not records:
-        return problem(f"{runlog.EVAL_LOG} has no readable records ({bad} unreadable lines)")
+        return problem(f"{runfolder.EVAL_LOG} has no readable records ({bad} unreadable lines)")
     config = _config(run_dir)
-    best = best_evaluation(records)
+    eval_section = _section(config, "eval")
+    task = eval_section.get("task") if isinstance(eval_section.get("task"), str) else None
+    events = list(runfolder.iter_records(runfolder.log_path(run_dir, runfolder.EVENTS_LOG)))
+    best = best_evaluation(records, task, events, config_metric(eval_section))
     if best is None:
         return problem(f"no finite task metric or eval_loss in {len(records)} evaluations")
-    if best["task"] is None:
-        best_task = config.eval.task if config else None
-        if best_task is not None:
-            best = best_evaluation(records, best_task) or best
-    train_file = config.paths.train_file if config else None
-    dataset = job.get("dataset") or best["task"] or (Path(train_file).stem if train_file else None)
-    seed = job.get("seed") if job.get("seed") is not None else (config.training.seed if config else None)
+    train_file = _section(config, "paths").get("train_file")
+    dataset = (
+        job.get("dataset") or best["task"] or (Path(train_file).stem if isinstance(train_file, str) else None)
+    )
+    seed = job.get("seed") if job.get("seed") is not None else _section(config, "training").get("seed")
     experiment = job.get("experiment") or derive_experiment(rel, dataset, seed)
     row = {
         "dataset": dataset or "-",
@@ -212,7 +143,7 @@ def analyze_run(run_dir: Path, root: Path, jobs: dict[str, dict]) -> tuple[dict 
         "task": best["task"],
         "metric": best["metric"],
         "best_step": best["step"],
-        "evaluations": len(runlog.last_per_step(records)),
+        "evaluations": len(runfolder.last_per_step(records)),
         "bad_lines": bad,
         "metrics": best["metrics"],
         "checkpoint": _checkpoint(run_dir, best["step"]),

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.runfolder import folder_size  # noqa: F401 - the loop sizes checkpoints through ckpt.folder_size
 from trainer.runlog import (
     BEST_ADAPTER_DIR,
     CHECKPOINT_PREFIX,
@@ -120,10 +121,6 @@ def resolve_resume_path(path: str | Path) -> CheckpointInfo:
 def remove_stale_temporaries(output_dir: Path) -> None:
     for child in output_dir.glob(f"{TMP_PREFIX}*"):
         shutil.rmtree(child, ignore_errors=True)
-
-
-def folder_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def fsync_tree(path: Path) -> None:

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-IGNORE = -100
+from trainer.data import IGNORE
+
 CHUNK_TOKENS = 2048
 
 # model_type -> logits are lm_head(final hidden state), nothing applied after.

@@ -13,6 +13,7 @@ import torch
 
 from trainer.config import Config
 from trainer.data import IGNORE, Sequence, collate
+from trainer.runfolder import guess_greater_is_better
 
 
 def count_targets(batch: dict) -> int:
@@ -64,7 +65,7 @@ def resolve_metric(cfg: Config, task) -> Config:
         if greater is None:
             greater = task.metric_for_best.greater_is_better if task is not None else False
     if greater is None:
-        greater = not (name == "eval_loss" or name == "perplexity" or name.endswith("loss"))
+        greater = guess_greater_is_better(name)
     return dataclasses.replace(
         cfg, eval=dataclasses.replace(cfg.eval, metric_for_best=name, greater_is_better=greater)
     )

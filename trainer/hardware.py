@@ -180,33 +180,25 @@ def _gpu_record(index: int, name: str, total_bytes: int, cc: str | None, source:
 
 
 def _nvml_gpus() -> tuple[list[dict], str | None]:
+    from trainer.telemetry import NvmlUnavailable, close_nvml, open_nvml, text
+
     try:
-        import pynvml
-    except ImportError:
-        return [], "nvidia-ml-py is not installed (no NVML: GPU telemetry off)"
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:  # noqa: BLE001 - every NVML failure means the same thing here
-        return [], f"no NVIDIA driver found (NVML: {exc})"
+        pynvml, handles = open_nvml()
+    except NvmlUnavailable as exc:
+        return [], str(exc)
     gpus = []
     try:
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            name = name.decode() if isinstance(name, bytes) else name
+        for index, handle in enumerate(handles):
             total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
             try:
                 cc = "{}.{}".format(*pynvml.nvmlDeviceGetCudaComputeCapability(handle))
             except Exception:  # noqa: BLE001 - old drivers do not report it
                 cc = None
-            gpus.append(_gpu_record(index, name, total, cc, "nvml"))
+            gpus.append(_gpu_record(index, text(pynvml.nvmlDeviceGetName(handle)), total, cc, "nvml"))
     except Exception as exc:  # noqa: BLE001
         return gpus, f"NVML could not list the GPUs ({exc})"
     finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
+        close_nvml(pynvml)
     return gpus, None
 
 

@@ -40,6 +40,8 @@ from trainer.oom import (
     shrink,
     split_rows,
 )
+from trainer.runfolder import EvalRecord, MetricForBest
+from trainer.runfolder import metric_value as runfolder_metric_value
 from trainer.telemetry import TelemetrySampler
 
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -597,20 +599,17 @@ def stop_requested(stop: StopFlag, accelerator) -> bool:
     return bool(flag > 0)
 
 
+def metric_for_best(cfg: Config) -> MetricForBest:
+    """The resolved ``eval.metric_for_best`` as the run-folder library's rule (readers apply the same)."""
+    return MetricForBest(cfg.eval.metric_for_best, cfg.eval.greater_is_better)
+
+
 def metric_value(eval_result: dict | None, cfg: Config):
-    if not eval_result:
-        return None
-    name = cfg.eval.metric_for_best
-    value = eval_result.get(name, (eval_result.get("metrics") or {}).get(name))
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+    return runfolder_metric_value(eval_result, cfg.eval.metric_for_best)
 
 
 def best_is(value, best, cfg: Config) -> bool:
-    if value is None:
-        return False
-    if best is None:
-        return True
-    return value > best if cfg.eval.greater_is_better else value < best
+    return metric_for_best(cfg).is_better(value, best)
 
 
 @dataclass
@@ -671,7 +670,8 @@ class Evaluator:
             )
             result.update(task=generated["task"], metrics=generated["metrics"], samples=generated["samples"])
         value = metric_value(result, self.cfg)
-        self.log.write(runlog.EVAL_LOG, {"step": step, **result, "is_best": best_is(value, best, self.cfg)})
+        is_best = best_is(value, best, self.cfg)
+        self.log.append(EvalRecord.from_result(step, result, metric_for_best(self.cfg), is_best))
         self.log.event("eval_done", step=step, eval_loss=result.get("eval_loss"), metric_value=value)
         return {**result, "step": step}
 

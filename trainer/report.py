@@ -1,9 +1,9 @@
 """End-of-run report from a run folder alone: ``<run>/report/index.html`` with PNG plots, and an ASCII
 loss curve for the terminal.
 
-The plots are the dashboard's (``dashboard.plots``: loss, lr, throughput, grad norm, memory,
-telemetry, experts) plus a token-length histogram from ``data_report.json`` drawn with the
-dashboard's figure helpers. Everything is local: one HTML file with inline CSS and relative image
+The plots are the run-folder library's (``trainer.runfolder.plots``, the ones the dashboard serves:
+loss, lr, throughput, grad norm, memory, telemetry, experts) plus a token-length histogram from
+``data_report.json`` drawn with the same figure helpers; the best evaluation is the library's one rule. Everything is local: one HTML file with inline CSS and relative image
 paths, no script, no CDN. No torch here: reports run anywhere matplotlib does.
 """
 
@@ -17,13 +17,12 @@ import statistics
 import time
 from pathlib import Path
 
-from trainer import runlog
+from trainer import runfolder
+from trainer.runfolder import DATA_REPORT_JSON, REPORT_DIR
 
-REPORT_DIR = "report"
 INDEX = "index.html"
 LENGTHS_PNG = "lengths.png"
-DATA_REPORT_JSON = "data_report.json"  # written by trainer.length_report
-# Plot files in page order; the dashboard writes all of PLOT_NAMES, the page shows these.
+# Plot files in page order; plots.write_report writes all of PLOT_NAMES, the page shows these.
 PAGE_PLOTS = (
     "loss",
     "throughput",
@@ -42,7 +41,7 @@ class ReportError(ValueError):
 
 
 def _records(run_dir: Path, name: str) -> list[dict]:
-    return list(runlog.iter_records(run_dir / runlog.LOGS_DIR / name))
+    return list(runfolder.iter_records(runfolder.log_path(run_dir, name)))
 
 
 def _finite(value) -> float | None:
@@ -53,8 +52,8 @@ def check_run_folder(run_dir: str | os.PathLike) -> Path:
     path = Path(run_dir)
     if not path.is_dir():
         raise ReportError(f"{path}: no such folder (expected a run folder, the training output_dir)")
-    if not (path / runlog.RUN_JSON).is_file() and not (path / runlog.LOGS_DIR).is_dir():
-        raise ReportError(f"{path}: not a run folder (no {runlog.RUN_JSON} and no {runlog.LOGS_DIR}/)")
+    if not (path / runfolder.RUN_JSON).is_file() and not (path / runfolder.LOGS_DIR).is_dir():
+        raise ReportError(f"{path}: not a run folder (no {runfolder.RUN_JSON} and no {runfolder.LOGS_DIR}/)")
     return path
 
 
@@ -63,7 +62,7 @@ def check_run_folder(run_dir: str | os.PathLike) -> Path:
 
 def ascii_loss_curve(run_dir: str | os.PathLike, width: int = 60, height: int = 12) -> str:
     """The training loss as ``*`` marks on a ``height`` x ``width`` grid (a column = mean of its steps)."""
-    train = runlog.last_per_step(_records(Path(run_dir), runlog.TRAINING_LOG))
+    train = runfolder.last_per_step(_records(Path(run_dir), runfolder.TRAINING_LOG))
     points = [(r["step"], float(r["loss"])) for r in train if _finite(r.get("loss")) is not None]
     skipped = len(train) - len(points)
     if not points:
@@ -99,11 +98,11 @@ def ascii_loss_curve(run_dir: str | os.PathLike, width: int = 60, height: int = 
 def summarize(run_dir: str | os.PathLike) -> dict:
     """What the page states in words and tables, from run.json and the logs."""
     run_dir = Path(run_dir)
-    info = runlog.read_run_json(run_dir)
-    train = runlog.last_per_step(_records(run_dir, runlog.TRAINING_LOG))
-    evals = runlog.last_per_step(_records(run_dir, runlog.EVAL_LOG))
-    events = _records(run_dir, runlog.EVENTS_LOG)
-    errors = _records(run_dir, runlog.ERROR_LOG)
+    info = runfolder.read_run_json(run_dir)
+    train = runfolder.last_per_step(_records(run_dir, runfolder.TRAINING_LOG))
+    evals = runfolder.last_per_step(_records(run_dir, runfolder.EVAL_LOG))
+    events = _records(run_dir, runfolder.EVENTS_LOG)
+    errors = _records(run_dir, runfolder.ERROR_LOG)
     finite_loss = [(r["step"], float(r["loss"])) for r in train if _finite(r.get("loss")) is not None]
     throughput = [float(r["tokens_per_sec"]) for r in train if _finite(r.get("tokens_per_sec"))]
     memory = [float(r["peak_mem_mb"]) for r in train if _finite(r.get("peak_mem_mb"))]
@@ -123,6 +122,7 @@ def summarize(run_dir: str | os.PathLike) -> dict:
         if e.get("event") == "checkpoint_saved"
     ]
     best = [e for e in events if e.get("event") == "best_updated"]
+    best_eval = runfolder.best_evaluation(evals, events)
     started, ended = _finite(info.get("started_at")), _finite(info.get("ended_at"))
     return {
         "run_id": info.get("run_id") or run_dir.name,
@@ -149,11 +149,12 @@ def summarize(run_dir: str | os.PathLike) -> dict:
         "max_peak_mem_mb": max(memory) if memory else None,
         "evals": len(evals),
         "final_eval_loss": eval_points[-1][1] if eval_points else None,
-        "best_eval": min(eval_points, key=lambda p: p[1]) if eval_points else None,
+        "best_eval": (best_eval.step, best_eval.value) if best_eval else None,
+        "best_eval_metric": best_eval.metric.name if best_eval else None,
         "best_updated": best[-1] if best else None,
         "checkpoints": checkpoints,
         "errors": errors,
-        "has_experts": bool(_records(run_dir, runlog.EXPERT_LOG)),
+        "has_experts": bool(_records(run_dir, runfolder.EXPERT_LOG)),
     }
 
 
@@ -170,11 +171,10 @@ def read_data_report(run_dir: str | os.PathLike) -> dict | None:
 
 def _plots():
     try:
-        from dashboard import plots
+        from trainer.runfolder import plots
     except ImportError as exc:
         raise ReportError(
-            f"the report needs the dashboard's plotting libraries ({exc.name} is missing): "
-            "pip install -e .[dashboard]"
+            f"the report needs the plotting libraries ({exc.name} is missing): pip install -e .[dashboard]"
         ) from exc
     return plots
 
@@ -290,7 +290,7 @@ def render_html(run_dir: Path, s: dict, data_report: dict | None) -> str:
                 ),
                 ("final eval loss", _fmt(s["final_eval_loss"])),
                 (
-                    "best eval loss",
+                    f"best evaluation ({s['best_eval_metric'] or 'eval_loss'})",
                     f"{_fmt(s['best_eval'][1])} at step {s['best_eval'][0]}" if s["best_eval"] else "-",
                 ),
                 ("median throughput", f"{_fmt(s['median_tokens_per_sec'])} tokens/s"),

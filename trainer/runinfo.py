@@ -1,5 +1,5 @@
 """What a run folder says about its run, for ``list`` and ``export``: status, steps, best evaluation,
-data, size. Reads logs through trainer.runlog and config.yaml through trainer.config's models (no torch).
+data, size. Reads logs through trainer.runfolder and config.yaml through trainer.config's models (no torch).
 """
 
 from __future__ import annotations
@@ -8,56 +8,32 @@ import os
 import socket
 from pathlib import Path
 
-from trainer import runlog
+from trainer import runfolder
 
 
 def find_runs(root: Path) -> list[Path]:
-    """Run folders (a run.json inside) directly under root or one level down (sweeps group runs)."""
-    found = {p.parent for pattern in ("*/run.json", "*/*/run.json") for p in root.glob(pattern)}
-    if (root / runlog.RUN_JSON).is_file():
-        found.add(root)
-    return sorted(found)
+    """Run folders under root (the run-folder library's discovery, as the dashboard and ``aggregate`` use)."""
+    return sorted(runfolder.find_run_folders(Path(root)).values())
 
 
-def lower_is_better(name: str) -> bool:
-    return name in ("eval_loss", "perplexity") or name.endswith("loss")
+def eval_section(run_dir: Path) -> dict:
+    """The ``eval`` section of the run's config.yaml, read through the config models ({} when unreadable)."""
+    from trainer.config import read_run_config
 
-
-def eval_settings(run_dir: Path) -> tuple[str, bool]:
-    """The metric the run ranks evaluations by, and whether higher is better.
-
-    From its config.yaml; ``auto`` (the task's metric, else eval_loss) is resolved by the metric the
-    trainer named in its checkpoint events, and an unset direction by the metric's name.
-    """
-    from trainer.config import EvalConfig, read_run_config
-
-    config, _ = read_run_config(run_dir / runlog.CONFIG_YAML)  # keys of older versions are ignored
-    section = config.eval if config else EvalConfig()
-    metric = section.metric_for_best or "auto"
-    if metric == "auto":
-        named = [
-            e.get("metric")
-            for e in runlog.iter_records(run_dir / runlog.LOGS_DIR / runlog.EVENTS_LOG)
-            if e.get("event") in ("best_updated", "checkpoint_saved") and isinstance(e.get("metric"), str)
-        ]
-        metric = named[-1] if named else "eval_loss"
-    greater = section.greater_is_better
-    if greater is None:
-        greater = not lower_is_better(str(metric))
-    return str(metric), greater
+    config, _ignored = read_run_config(run_dir / runfolder.CONFIG_YAML)  # keys of older versions are ignored
+    return config.to_dict()["eval"] if config is not None else {}
 
 
 def best_metric(run_dir: Path) -> dict | None:
-    metric, greater = eval_settings(run_dir)
-    best = None
-    records = runlog.iter_records(run_dir / runlog.LOGS_DIR / runlog.EVAL_LOG)
-    for record in runlog.last_per_step(list(records)):
-        value = record.get(metric, (record.get("metrics") or {}).get(metric))
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        if best is None or (value > best["value"] if greater else value < best["value"]):
-            best = {"name": metric, "value": value, "step": record.get("step")}
-    return best
+    """The run's best evaluation by the one rule (``trainer.runfolder.best``), as ``{name, value, step}``."""
+    evals = list(runfolder.iter_records(runfolder.log_path(run_dir, runfolder.EVAL_LOG)))
+    events = runfolder.iter_records(runfolder.log_path(run_dir, runfolder.EVENTS_LOG))
+    section = eval_section(run_dir)
+    task = section.get("task") if isinstance(section.get("task"), str) else None
+    best = runfolder.best_evaluation(evals, events, runfolder.config_metric(section), task)
+    if best is None:
+        return None
+    return {"name": best.metric.name, "value": best.value, "step": best.step}
 
 
 def process_alive(pid) -> bool:
@@ -79,26 +55,15 @@ def effective_status(info: dict) -> str:
     return status
 
 
-def disk_size(run_dir: Path) -> int:
-    total = 0
-    for path in run_dir.rglob("*"):
-        try:
-            if path.is_file() and not path.is_symlink():
-                total += path.stat().st_size
-        except OSError:
-            continue  # a checkpoint renamed or pruned while we walk
-    return total
-
-
 def describe(run_dir: Path, root: Path, now: float) -> dict:
-    info = runlog.read_run_json(run_dir)
+    info = runfolder.read_run_json(run_dir)
     step = info.get("step")
     if step is None:
-        records = list(runlog.iter_records(run_dir / runlog.LOGS_DIR / runlog.TRAINING_LOG))
+        records = list(runfolder.iter_records(run_dir / runfolder.LOGS_DIR / runfolder.TRAINING_LOG))
         step = records[-1].get("step") if records else None
     last_seen = info.get("updated_at") or info.get("started_at")
     try:
-        last_seen = last_seen or (run_dir / runlog.RUN_JSON).stat().st_mtime
+        last_seen = last_seen or (run_dir / runfolder.RUN_JSON).stat().st_mtime
     except OSError:
         last_seen = None
     return {
@@ -112,7 +77,7 @@ def describe(run_dir: Path, root: Path, now: float) -> dict:
         "step": step,
         "total_steps": info.get("total_steps"),
         "best": best_metric(run_dir),
-        "size_bytes": disk_size(run_dir),
+        "size_bytes": runfolder.folder_size(run_dir),
         "started_at": info.get("started_at"),
         "updated_at": last_seen,
         "age_seconds": round(now - last_seen, 1) if isinstance(last_seen, (int, float)) else None,
@@ -123,7 +88,7 @@ def data_report(run_dir: Path) -> dict:
     """The run's last ``data_report`` event (record and sequence counts), or {}."""
     reports = [
         e
-        for e in runlog.iter_records(run_dir / runlog.LOGS_DIR / runlog.EVENTS_LOG)
+        for e in runfolder.iter_records(run_dir / runfolder.LOGS_DIR / runfolder.EVENTS_LOG)
         if e.get("event") == "data_report"
     ]
     return reports[-1] if reports else {}

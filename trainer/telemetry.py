@@ -1,6 +1,7 @@
 """Background hardware sampler: NVML on GPUs, psutil for CPU and RAM, one writer per node.
 
 It runs in a daemon thread with its own log handle, so a slow sample never delays a training step.
+``open_nvml`` is the kit's one way into NVML (``trainer.hardware`` lists GPUs through it too).
 """
 
 from __future__ import annotations
@@ -10,16 +11,46 @@ import threading
 
 import psutil
 
-from trainer.runlog import GPU_LOG, RunLog
+from trainer.runfolder import GPU_LOG, RunLog
+
+
+class NvmlUnavailable(RuntimeError):
+    """NVML cannot be used here; the message says why (no nvidia-ml-py, no driver, no listing)."""
+
+
+def open_nvml():
+    """``(pynvml, device handles)`` after ``nvmlInit``; call ``close_nvml(pynvml)`` when done."""
+    try:
+        import pynvml
+    except ImportError as exc:
+        raise NvmlUnavailable("nvidia-ml-py is not installed (no NVML: GPU telemetry off)") from exc
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - every NVML failure means the same thing here
+        raise NvmlUnavailable(f"no NVIDIA driver found (NVML: {exc})") from exc
+    try:
+        return pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    except Exception as exc:  # noqa: BLE001
+        close_nvml(pynvml)
+        raise NvmlUnavailable(f"NVML could not list the GPUs ({exc})") from exc
+
+
+def close_nvml(pynvml) -> None:
+    try:
+        pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - shutting down a half-initialised NVML may fail; nothing to do
+        pass
+
+
+def text(value) -> str:
+    """NVML returns bytes from older nvidia-ml-py versions, str from newer ones."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _nvml_handles():
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-    except Exception:  # noqa: BLE001 - no driver, no GPU, or no nvidia-ml-py: fall back to CPU samples
+        return open_nvml()
+    except NvmlUnavailable:  # no driver, no GPU, or no nvidia-ml-py: fall back to CPU samples
         return None, []
 
 

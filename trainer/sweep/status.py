@@ -7,13 +7,12 @@ terminal is rendered from the same dict, so the two never disagree. Fields: docs
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 from pathlib import Path
 
-from trainer import runlog
+from trainer import runfolder
+from trainer.runfolder import SWEEP_JSON
 
-SWEEP_JSON = "sweep.json"
 STATES = ("queued", "held", "running", "done", "failed", "interrupted")
 # Order of jobs in the table: what needs attention first.
 TABLE_ORDER = ("running", "failed", "held", "interrupted", "queued", "done")
@@ -21,12 +20,12 @@ TABLE_ORDER = ("running", "failed", "held", "interrupted", "queued", "done")
 
 def job_finished(job_dir: Path) -> bool:
     """run.json says finished, or a final checkpoint is on disk."""
-    if runlog.read_run_json(job_dir).get("status") == "finished":
+    if runfolder.read_run_json(job_dir).get("status") == "finished":
         return True
     try:
         return any(
-            entry.name.startswith(runlog.FINAL_PREFIX)
-            and runlog.checkpoint_step(entry.name) is not None
+            entry.name.startswith(runfolder.FINAL_PREFIX)
+            and runfolder.checkpoint_step(entry.name) is not None
             and entry.is_dir()
             for entry in os.scandir(job_dir)
         )
@@ -47,17 +46,12 @@ def _tail(path: Path, nbytes: int) -> tuple[bytes, bool]:
 
 def progress(job_dir: Path) -> dict | None:
     """``{step, total_steps, fraction}`` from the last training record (None before the first)."""
-    data, cut = _tail(job_dir / runlog.LOGS_DIR / runlog.TRAINING_LOG, 16384)
-    lines = data.split(b"\n")[1 if cut else 0 : -1]  # a cut first line, a half-written last one
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
+    tail = runfolder.tail_records(runfolder.log_path(job_dir, runfolder.TRAINING_LOG), nbytes=16384)
+    for record in reversed(tail):
+        if isinstance(record.get("step"), int):
             step, total = record["step"], record.get("total_steps")
             if not isinstance(total, int) or total <= 0:
-                total = runlog.read_run_json(job_dir).get("total_steps")
+                total = runfolder.read_run_json(job_dir).get("total_steps")
             fraction = min(1.0, step / total) if isinstance(total, int) and total > 0 else None
             return {"step": step, "total_steps": total, "fraction": fraction}
     return None
@@ -72,19 +66,13 @@ def log_tail(path: Path, lines: int = 20) -> list[str]:
 
 
 def read_sweep_json(root: Path) -> dict:
-    try:
-        data = json.loads((Path(root) / SWEEP_JSON).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return runfolder.read_json_object(Path(root) / SWEEP_JSON, max_bytes=None)
 
 
 def write_sweep_json(root: Path, payload: dict) -> None:
-    """Atomically, through a temporary file of this process's own: two sweeps may share a root."""
+    """Atomically (through a temporary file of this process's own: two sweeps may share a root)."""
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{SWEEP_JSON}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(runlog.clean_value(payload, "", []), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, root / SWEEP_JSON)
+    runfolder.write_json_atomic(root / SWEEP_JSON, payload)
 
 
 # ---------------------------------------------------------------- the table

@@ -7,27 +7,15 @@ for generated answers; ``target`` gives the gold answer text, for building train
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+
+# The metric type lives with the one rule for "best" that readers of a run folder share.
+from trainer.runfolder.best import MetricForBest
+
+__all__ = ["MetricForBest", "Task", "TaskDataError"]
 
 
 class TaskDataError(RuntimeError):
     """A task's data could not be found or read; the message says where it looked and what it expected."""
-
-
-@dataclass(frozen=True)
-class MetricForBest:
-    """The metric that picks the best checkpoint, and which direction is better."""
-
-    name: str
-    greater_is_better: bool = True
-
-    def is_better(self, value: float, best: float | None) -> bool:
-        """True when ``value`` beats ``best`` (any finite value beats None or NaN)."""
-        if value != value:  # NaN never wins
-            return False
-        if best is None or best != best:
-            return True
-        return value > best if self.greater_is_better else value < best
 
 
 class Task(ABC):

@@ -1,4 +1,7 @@
-"""Matplotlib (Agg) plots of a run, as PNG bytes: the dashboard serves them, reports reuse them.
+"""Matplotlib (Agg) plots of a run, as PNG bytes: the dashboard serves them, end-of-run reports write them.
+
+Here, beside the run-folder model, so that both import it and neither imports the other
+(needs numpy and matplotlib: only code that draws imports this module).
 
 Uses ``matplotlib.figure.Figure`` directly (no pyplot): no global state, safe in server threads.
 Every plot is downsampled to what a screen shows (first, last and each bucket's extremes kept);
@@ -10,8 +13,6 @@ from __future__ import annotations
 
 import io
 import math
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +20,9 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .data import best_eval, checkpoint_rows, experts
-from .rundata import RunData
-from .series import DEFAULT_EMA_WEIGHT, DEFAULT_MA_WINDOW, downsample_indices, smooth
+from trainer.runfolder.rundata import RunData
+from trainer.runfolder.series import DEFAULT_EMA_WEIGHT, DEFAULT_MA_WINDOW, downsample_indices, smooth
+from trainer.runfolder.summaries import best_eval, checkpoint_rows, experts
 
 SCREEN_POINTS = 2000
 WIDTH, HEIGHT, DPI = 8.0, 3.2, 100
@@ -305,27 +306,3 @@ def write_report(run_dir: str | Path, out_dir: str | Path, options: PlotOptions 
         path.write_bytes(render(name, run, options or PlotOptions()))
         written.append(path)
     return written
-
-
-class PlotCache:
-    """Rendered PNGs by (run, plot, options, versions of the logs it draws): new data, new PNG."""
-
-    def __init__(self, size: int = 64):
-        self.size = size
-        self._items: OrderedDict[tuple, bytes] = OrderedDict()
-        self._lock = threading.Lock()
-        self.renders = 0
-
-    def get_or_render(self, key: tuple, render) -> bytes:
-        with self._lock:
-            png = self._items.get(key)
-            if png is not None:
-                self._items.move_to_end(key)
-                return png
-        png = render()
-        with self._lock:
-            self.renders += 1
-            self._items[key] = png
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
-        return png

@@ -1,4 +1,5 @@
-"""What the dashboard holds for one run folder: a store per log, refreshed incrementally.
+"""One run folder held in memory: a store per log, refreshed incrementally (the dashboard's model;
+reports draw from it too).
 
 Each store keeps its log in the cheapest shape that still answers the API: training records and
 GPU samples as columns of floats, the short logs (evals, events, errors) as their records.
@@ -9,7 +10,6 @@ safe to share between server threads.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import threading
@@ -17,10 +17,9 @@ from array import array
 from collections import deque
 from pathlib import Path
 
-from trainer import runlog
-
-from .columns import Columns, StepTable, as_float, record_ts
-from .reader import LogTail, inside
+from trainer.runfolder import layout
+from trainer.runfolder.columns import Columns, StepTable, as_float, record_ts
+from trainer.runfolder.reader import LogTail, read_json_object
 
 RECENT_INTERVALS = 64
 _versions = itertools.count(1)
@@ -189,11 +188,11 @@ def _count(value) -> float:
 
 
 ACTIVITY_FILES = (
-    runlog.TRAINING_LOG,
-    runlog.EVAL_LOG,
-    runlog.EVENTS_LOG,
-    runlog.ERROR_LOG,
-    runlog.EXPERT_LOG,
+    layout.TRAINING_LOG,
+    layout.EVAL_LOG,
+    layout.EVENTS_LOG,
+    layout.ERROR_LOG,
+    layout.EXPERT_LOG,
 )
 
 
@@ -202,7 +201,7 @@ def files_mtime(run_dir: Path) -> float | None:
 
     The fallback clock for a run whose records carry no usable ``ts``.
     """
-    paths = [run_dir / runlog.RUN_JSON] + [run_dir / runlog.LOGS_DIR / name for name in ACTIVITY_FILES]
+    paths = [run_dir / layout.RUN_JSON] + [run_dir / layout.LOGS_DIR / name for name in ACTIVITY_FILES]
     times = []
     for path in paths:
         try:
@@ -210,18 +209,6 @@ def files_mtime(run_dir: Path) -> float | None:
         except OSError:
             pass
     return max(times) if times else None
-
-
-def read_json_under(path: Path, root: Path) -> dict:
-    """A JSON object file (run.json, trainer_state.json) under root; anything wrong gives {}."""
-    if not inside(path, root):
-        return {}
-    try:
-        with open(path, "rb") as handle:
-            data = json.loads(handle.read(1 << 20))
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 class RunData:
@@ -242,14 +229,14 @@ class RunData:
         self._run_json_stamp: tuple | None = None
         # (folder name, mtime) -> (trainer_state.json, size): checkpoints are immutable once renamed.
         self.folder_cache: dict[tuple, tuple] = {}
-        logs = path / runlog.LOGS_DIR
+        logs = path / layout.LOGS_DIR
         self.stores: dict[str, Store] = {
-            runlog.TRAINING_LOG: self.train,
-            runlog.EVAL_LOG: self.evals,
-            runlog.EVENTS_LOG: self.events,
-            runlog.ERROR_LOG: self.errors,
-            runlog.GPU_LOG: self.gpu,
-            runlog.EXPERT_LOG: self.experts,
+            layout.TRAINING_LOG: self.train,
+            layout.EVAL_LOG: self.evals,
+            layout.EVENTS_LOG: self.events,
+            layout.ERROR_LOG: self.errors,
+            layout.GPU_LOG: self.gpu,
+            layout.EXPERT_LOG: self.experts,
         }
         self.tails = {name: LogTail(logs / name, root) for name in self.stores}
 
@@ -265,7 +252,7 @@ class RunData:
                     store.ingest(batch)
 
     def _refresh_run_json(self) -> None:
-        path = self.path / runlog.RUN_JSON
+        path = self.path / layout.RUN_JSON
         try:
             st = os.stat(path)
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -273,7 +260,7 @@ class RunData:
             stamp = None
         if stamp != self._run_json_stamp:
             self._run_json_stamp = stamp
-            self.run_json = read_json_under(path, self.root) if stamp else {}
+            self.run_json = read_json_object(path, self.root) if stamp else {}
 
     def versions(self) -> dict[str, int]:
         """Data version per log; the page reloads a plot only when its logs' versions change."""
@@ -303,7 +290,7 @@ class RunData:
         except OSError:
             return found
         for entry in entries:
-            step = runlog.checkpoint_step(entry.name)
+            step = layout.checkpoint_step(entry.name)
             if step is None or not entry.is_dir(follow_symlinks=False):
                 continue
             try:

@@ -1,0 +1,48 @@
+"""Where things are in a run folder (and a sweep root): every file and folder name, in one place.
+
+docs/run-folder.md describes what each holds. Nothing else in the kit spells these names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+RUN_JSON = "run.json"
+CONFIG_YAML = "config.yaml"
+DATA_REPORT_JSON = "data_report.json"  # token-length report (trainer.length_report)
+REPORT_DIR = "report"  # end-of-run report (trainer.report)
+LOGS_DIR = "logs"
+TRAINING_LOG = "training_log.jsonl"
+EVAL_LOG = "eval_log.jsonl"
+EXPERT_LOG = "expert_usage_log.jsonl"
+EVENTS_LOG = "events.jsonl"
+ERROR_LOG = "error_log.jsonl"
+GPU_LOG = "gpu_log.jsonl"
+LOG_FILES = (TRAINING_LOG, EVAL_LOG, EXPERT_LOG, EVENTS_LOG, ERROR_LOG, GPU_LOG)
+
+CHECKPOINT_PREFIX = "checkpoint-"
+FINAL_PREFIX = "final-checkpoint-"
+BEST_ADAPTER_DIR = "best-adapter"
+TRAINER_STATE = "trainer_state.json"  # inside each checkpoint folder
+
+SWEEP_JSON = "sweep.json"  # <sweep root>/sweep.json, written by trainer.sweep
+
+STATUSES = ("running", "finished", "failed", "interrupted")
+
+
+def log_path(run_dir: str | Path, log_name: str) -> Path:
+    """``<run_dir>/logs/<log_name>``."""
+    return Path(run_dir) / LOGS_DIR / log_name
+
+
+def checkpoint_step(name: str) -> int | None:
+    """Step number of a ``checkpoint-<step>`` or ``final-checkpoint-<step>`` folder name, else None."""
+    for prefix in (FINAL_PREFIX, CHECKPOINT_PREFIX):
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            return int(name[len(prefix) :])
+    return None
+
+
+def is_run_folder(path: Path) -> bool:
+    """A run folder holds run.json or logs/."""
+    return (path / RUN_JSON).is_file() or (path / LOGS_DIR).is_dir()
