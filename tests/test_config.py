@@ -247,12 +247,14 @@ def test_run_config_of_an_older_version_is_read_with_its_removed_keys_ignored(tm
 
 
 def test_list_reads_the_ranking_metric_from_an_old_config(tmp_path):
-    from trainer.runinfo import eval_settings
+    from trainer.runinfo import eval_section
 
     (tmp_path / "config.yaml").write_text(
         yaml.safe_dump({"eval": {"metric_for_best": "f1", "greater_is_better": False, "old": 1}})
     )
-    assert eval_settings(tmp_path) == ("f1", False)
+    section = eval_section(tmp_path)
+    assert (section["metric_for_best"], section["greater_is_better"]) == ("f1", False)
+    assert "old" not in section
 
 
 def test_readme_opens_with_the_two_commands():
