@@ -43,9 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, faults=None) -> int:
+    """``faults``: a ``trainer.training.faults.Faults`` for tests that break a run on purpose
+    (tests/faulty_trainer.py); the verbs that train or plan pass it on."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
+    if faults is None:
+        from trainer.training.faults import NO_FAULTS as faults
+    args.faults = faults
     from trainer.config import ConfigError
 
     try:
