@@ -131,3 +131,35 @@ def test_fatal_error_is_logged_then_raised(write_config, tmp_path):
     assert errors[0]["step"] == 2 and "exploding" in errors[0]["traceback"]
     info = json.loads((run / runlog.RUN_JSON).read_text())
     assert info["status"] == "failed" and info["ended_at"]
+
+
+def test_step_kernels_chosen_once_drive_training_and_evaluation(write_config, tmp_path, monkeypatch):
+    """The fast-path seam: kernels picked at set-up prepare the model and compute every micro-batch's
+    loss, in training and in evaluation, without train() knowing which kernels they are."""
+    import trainer.training.loop as loop
+    from trainer.training.step import StepKernels, choose_kernels
+
+    seen = {"choose": 0, "prepare": 0, "loss": 0}
+
+    def counting_kernels(loaded, cfg, device):
+        seen["choose"] += 1
+        reference = choose_kernels(loaded, cfg, device)
+
+        def prepare(model):
+            seen["prepare"] += 1
+            return reference.prepare(model)
+
+        def loss(model, batch, accelerator):
+            seen["loss"] += 1
+            return reference.loss(model, batch, accelerator)
+
+        return StepKernels("counting", loss, prepare)
+
+    monkeypatch.setattr(loop, "choose_kernels", counting_kernels)
+    cfg = load_config(
+        write_config({"training": {"max_steps": 2, "save_steps": 100}, "eval": {"interval": 100}})
+    )
+    assert train(cfg) == 0
+    evaluations = list(iter_records(tmp_path / "run" / "logs" / runlog.EVAL_LOG))
+    assert [e["step"] for e in evaluations] == [2]  # eval.at_end, over eval.max_batches=2 batches
+    assert seen == {"choose": 1, "prepare": 1, "loss": 2 * 2 + 2}  # 2 steps x accumulation 2, then eval

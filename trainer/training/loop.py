@@ -113,7 +113,7 @@ class Run:
 
 
 def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, config_source, faults) -> Run:
-    """Model, data, optimizer, the step's kernels and helpers; resume; then open the run (logs, notifications)."""
+    """Model and the step's kernels, data, optimizer, the loop's helpers; resume; then open the run."""
     from accelerate.utils import set_seed
 
     set_seed(cfg.training.seed)
@@ -144,28 +144,46 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
     if resume_from is not None:
         restore(resume_from, accelerator, model, state)
 
+    notifier, tracking = open_run(
+        cfg, accelerator, output_dir, log, loaded, data, total_steps, state.step, resume_from, config_source
+    )
+    return Run(
+        cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, train_rows=len(data.train),
+        rows_per_step=rows_per_step, total_steps=total_steps, step=step, evaluator=evaluator,
+        checkpointer=checkpointer, oom=oom, counter=counter, notifier=notifier, trackers=tracking,
+    )  # fmt: skip
+
+
+def open_run(cfg, accelerator, output_dir, log, loaded, data, total_steps, step, resume_from, config_source):
+    """run.json and the opening events, the console's summary and length report, notifications, trackers."""
+    is_main = accelerator.is_main_process
     run_status.start_run(
-        log, cfg, output_dir, loaded, data, world, total_steps, state.step, resume_from, config_source
+        log,
+        cfg,
+        output_dir,
+        loaded,
+        data,
+        accelerator.num_processes,
+        total_steps,
+        step,
+        resume_from,
+        config_source,
     )
     console.announce(accelerator, cfg, loaded, data, total_steps, resume_from)
     if is_main:
-        console.length_report(cfg, tokenizer, output_dir, log, state.step)
+        console.length_report(cfg, loaded.tokenizer, output_dir, log, step)
     notifier = Notifier.from_config(cfg, run_name=output_dir.name, enabled=is_main)
     notifier.notify(
         "start",
         {
-            "step": state.step,
+            "step": step,
             "total_steps": total_steps,
             "model": cfg.model.name_or_path,
             "resumed": resume_from is not None,
             "output_dir": str(output_dir),
         },
     )
-    tracking = trackers.Trackers(accelerator, cfg).start(output_dir.name, cfg)
-    return Run(
-        cfg, model, optimizer, scheduler, len(data.train), rows_per_step, total_steps, step, evaluator, checkpointer, oom,
-        counter, notifier, tracking,
-    )  # fmt: skip
+    return notifier, trackers.Trackers(accelerator, cfg).start(output_dir.name, cfg)
 
 
 def start_monitoring(cleanup, run: Run, log, accelerator, output_dir: Path, state: LoopState):
