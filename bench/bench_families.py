@@ -4,8 +4,8 @@ Rows: GLA (~340M, fla's Triton kernels) with LoRA and DoRA; Mamba-2 (~130M) with
 fast path (mamba_ssm if installed, else fla's Triton SSD) and with LoRA on transformers' PyTorch
 reference path, same card and shapes (target: fast >= 20x reference tokens/s); Mamba-1 (~130M) with
 LoRA and DoRA on its best path (mamba_ssm) and LoRA on the reference path. Random-init weights, random
-tokens, bf16, through the kit's own ``load_for_training`` and ``forward_loss`` (family hooks, PEFT, kernel
-choice). Each row runs in its own subprocess (kernel swaps are process-wide; an OOM stays in its row).
+tokens, bf16, through the kit's own ``load_for_training`` and the loop's micro-batch loss (family hooks,
+PEFT, kernel choice, ``choose_kernels``). Each row runs in its own subprocess (kernel swaps are process-wide; an OOM stays in its row).
 A row whose kernels are missing is skipped with the reason. Fast rows also check logits and LoRA
 gradients against the reference implementation on one batch, in fp32 (``check``).
 
@@ -194,7 +194,7 @@ def kit_config(folder: Path, row: Row, seq: int, smoke: bool):
 
 
 class Accel:
-    """What forward_loss needs: a device and an autocast context."""
+    """What the micro-batch loss needs: a device and an autocast context."""
 
     def __init__(self, device, dtype):
         self.device, self._dtype = device, dtype
@@ -259,15 +259,16 @@ def reference_ops(kind: str):
             yield
 
 
-def timed_training(loaded, row: Row, seq: int, steps: int, device, vocab: int) -> dict:
+def timed_training(loaded, cfg, row: Row, seq: int, steps: int, device, vocab: int) -> dict:
     """Warm-up, then ``steps`` timed optimizer steps on one random batch; the reference check last."""
     import torch
 
     from trainer.data import Sequence, collate
-    from trainer.loop import count_targets, forward_loss
+    from trainer.training.step import choose_kernels, count_targets
 
     cuda = device.type == "cuda"
-    model = loaded.model.to(device)
+    kernels = choose_kernels(loaded, cfg, device)  # the loop's micro-batch loss, picked as the loop picks it
+    model = kernels.prepare(loaded.model).to(device)
     result = dict(
         kernel_path=loaded.report["kernel_path"],
         total_params_m=round(loaded.report["total_params"] / 1e6, 1),
@@ -290,7 +291,7 @@ def timed_training(loaded, row: Row, seq: int, steps: int, device, vocab: int) -
                 torch.cuda.reset_peak_memory_stats()
             started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        ce_sum, _ = forward_loss(model, batch, accel)
+        ce_sum, _ = kernels.loss(model, batch, accel)
         (ce_sum / targets).backward()
         optimizer.step()
         losses.append(float(ce_sum.detach()) / targets)
@@ -330,7 +331,7 @@ def run_row(row: Row, steps: int, seq: int, smoke: bool) -> dict:
                 stack.enter_context(forced_reference_path())
                 stack.enter_context(reference_ops(model_config["model_type"]))
             loaded = load_for_training(cfg, device)
-            result.update(timed_training(loaded, row, seq, steps, device, model_config["vocab_size"]))
+            result.update(timed_training(loaded, cfg, row, seq, steps, device, model_config["vocab_size"]))
         return result
 
 

@@ -91,7 +91,7 @@ def batch_of(args, seed):
 
 
 def step(model, opt, batch, accel):
-    from trainer.loop import forward_loss
+    from trainer.training.step import forward_loss
 
     ce, aux = forward_loss(model, batch, accel)
     tokens = (batch["labels"][:, 1:] != -100).sum()
@@ -236,7 +236,7 @@ def check_model(args, out):
     for fast in ("off", "auto"):
         model, _ = build(args, out, fast)
         accel = Accel(torch.device("cuda"))
-        from trainer.loop import forward_loss
+        from trainer.training.step import forward_loss
 
         batch = batch_of(args, 7)
         torch.manual_seed(1)

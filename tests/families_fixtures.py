@@ -118,7 +118,7 @@ class CpuAccelerator:
 
 
 def lora_gradients(model, batch) -> dict[str, torch.Tensor]:
-    from trainer.loop import forward_loss
+    from trainer.training.step import forward_loss
 
     model.zero_grad(set_to_none=True)
     ce_sum, _ = forward_loss(model, batch, CpuAccelerator())
@@ -158,7 +158,7 @@ def random_batch(packing: bool, width: int = 32, seed: int = 0) -> dict:
 
 def train_steps(model, batch: dict, steps: int = 3, lr: float = 1e-2) -> list[float]:
     """A few AdamW steps on one batch (what the loop does, minus logging): the losses before each."""
-    from trainer.loop import count_targets, forward_loss
+    from trainer.training.step import count_targets, forward_loss
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()

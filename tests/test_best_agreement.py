@@ -62,7 +62,7 @@ def write_run(run_dir, stamped: bool) -> None:
 
 def loop_best_step(run_dir) -> int | None:
     """The step the training loop's own rule (``best_is``) keeps as best, fed the records in order."""
-    from trainer.loop import best_is, metric_value
+    from trainer.training.evaluation import best_is, metric_value
 
     cfg = SimpleNamespace(eval=SimpleNamespace(metric_for_best="accuracy", greater_is_better=True))
     best, best_step = None, None

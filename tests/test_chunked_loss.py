@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from tests.helpers import REPO
-from trainer import chunked_loss
 from trainer.config import load_config
 from trainer.data import collate, pack
-from trainer.loop import forward_loss
 from trainer.modeling import load_for_training
+from trainer.training import chunked_loss
+from trainer.training.step import forward_loss
 
 
 class CpuAccelerator:

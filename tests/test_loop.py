@@ -8,10 +8,12 @@ import math
 import pytest
 import torch
 
+from tests.faults import InjectedFaults
 from tests.helpers import REPO, run_trainer
 from trainer import runlog
 from trainer.config import load_config
 from trainer.runlog import iter_records
+from trainer.training.loop import train
 
 
 def training_records(run):
@@ -63,7 +65,7 @@ def test_accumulation_equals_one_big_batch_with_uneven_lengths(write_config, tmp
     ],
 )
 def test_schedulers_with_warmup(name, warmup, expect):
-    from trainer.loop import make_scheduler
+    from trainer.training.optim import make_scheduler
 
     overrides = [f"optimization.lr_scheduler={name}", "optimization.learning_rate=1.0"]
     overrides += [f"optimization.{k}={v}" for k, v in warmup.items()]
@@ -81,23 +83,22 @@ def test_schedulers_with_warmup(name, warmup, expect):
     assert seen == pytest.approx(expect[: len(seen)], abs=1e-4)
 
 
-def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path, monkeypatch):
+def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path):
     """A NaN loss at step 3 must not update the weights; the record carries null plus a flag."""
-    import trainer.loop as loop
-
     cfg = load_config(write_config({"training": {"max_steps": 5, "save_steps": 100}}))
-    real_forward = loop.forward_loss
     calls = {"n": 0}
 
-    def poisoned(model, batch, accelerator):
-        calls["n"] += 1
-        ce_sum, aux = real_forward(model, batch, accelerator)
-        if calls["n"] in (5, 6):  # both micro-batches of step 3 (accumulation 2)
-            ce_sum = ce_sum * float("nan")
-        return ce_sum, aux
+    def poisoned(real_loss):
+        def loss(model, batch, accelerator):
+            calls["n"] += 1
+            ce_sum, aux = real_loss(model, batch, accelerator)
+            if calls["n"] in (5, 6):  # both micro-batches of step 3 (accumulation 2)
+                ce_sum = ce_sum * float("nan")
+            return ce_sum, aux
 
-    monkeypatch.setattr(loop, "forward_loss", poisoned)
-    assert loop.train(cfg) == 0
+        return loss
+
+    assert train(cfg, faults=InjectedFaults(wrap_loss=poisoned)) == 0
     run = tmp_path / "run"
     records = training_records(run)
     step3 = records[2]
@@ -108,22 +109,21 @@ def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path, mo
     assert "NaN" not in (run / "logs" / runlog.TRAINING_LOG).read_text()
 
 
-def test_fatal_error_is_logged_then_raised(write_config, tmp_path, monkeypatch):
-    import trainer.loop as loop
-
+def test_fatal_error_is_logged_then_raised(write_config, tmp_path):
     cfg = load_config(write_config({"training": {"max_steps": 5, "save_steps": 100}}))
     calls = {"n": 0}
-    real_forward = loop.forward_loss
 
-    def exploding(model, batch, accelerator):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise RuntimeError("boom at the third step")
-        return real_forward(model, batch, accelerator)
+    def exploding_at_step_3(real_loss):
+        def exploding(model, batch, accelerator):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise RuntimeError("boom at the third step")
+            return real_loss(model, batch, accelerator)
 
-    monkeypatch.setattr(loop, "forward_loss", exploding)
+        return exploding
+
     with pytest.raises(RuntimeError, match="boom"):
-        loop.train(cfg)
+        train(cfg, faults=InjectedFaults(wrap_loss=exploding_at_step_3))
     run = tmp_path / "run"
     errors = list(iter_records(run / "logs" / runlog.ERROR_LOG))
     assert len(errors) == 1
@@ -131,3 +131,35 @@ def test_fatal_error_is_logged_then_raised(write_config, tmp_path, monkeypatch):
     assert errors[0]["step"] == 2 and "exploding" in errors[0]["traceback"]
     info = json.loads((run / runlog.RUN_JSON).read_text())
     assert info["status"] == "failed" and info["ended_at"]
+
+
+def test_step_kernels_chosen_once_drive_training_and_evaluation(write_config, tmp_path, monkeypatch):
+    """The fast-path seam: kernels picked at set-up prepare the model and compute every micro-batch's
+    loss, in training and in evaluation, without train() knowing which kernels they are."""
+    import trainer.training.loop as loop
+    from trainer.training.step import StepKernels, choose_kernels
+
+    seen = {"choose": 0, "prepare": 0, "loss": 0}
+
+    def counting_kernels(loaded, cfg, device):
+        seen["choose"] += 1
+        reference = choose_kernels(loaded, cfg, device)
+
+        def prepare(model):
+            seen["prepare"] += 1
+            return reference.prepare(model)
+
+        def loss(model, batch, accelerator):
+            seen["loss"] += 1
+            return reference.loss(model, batch, accelerator)
+
+        return StepKernels("counting", loss, prepare)
+
+    monkeypatch.setattr(loop, "choose_kernels", counting_kernels)
+    cfg = load_config(
+        write_config({"training": {"max_steps": 2, "save_steps": 100}, "eval": {"interval": 100}})
+    )
+    assert train(cfg) == 0
+    evaluations = list(iter_records(tmp_path / "run" / "logs" / runlog.EVAL_LOG))
+    assert [e["step"] for e in evaluations] == [2]  # eval.at_end, over eval.max_batches=2 batches
+    assert seen == {"choose": 1, "prepare": 1, "loss": 2 * 2 + 2}  # 2 steps x accumulation 2, then eval

@@ -4,29 +4,21 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import REPO, trainer_env
+from tests.faults import run_with_faults
 from trainer import runlog
 from trainer.data import Sequence
-from trainer.oom import StepShape, shrink, split_rows
 from trainer.runlog import iter_records, last_per_step
+from trainer.training.oom_retry import shrink
+from trainer.training.step import StepShape, split_rows
 
 FIXED = {"lora": {"dropout": 0.0}, "training": {"max_steps": 6, "save_steps": 3}, "eval": {"interval": 3}}
 
 
 def train_with(config, inject: str = "") -> subprocess.CompletedProcess:
-    env = dict(trainer_env(), KIT_TEST_INJECT_OOM=inject)
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", "train", "--config", str(config)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_with_faults("train", "--config", str(config), oom=inject)
 
 
 def merged(base: dict, training: dict) -> dict:

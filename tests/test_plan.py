@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import yaml
 
-from tests.helpers import REPO, trainer_env
+from tests.faults import run_with_faults
 from trainer.planner import candidate_shapes
 
 
 def plan_cli(config, *extra, inject=""):
-    env = dict(trainer_env(), KIT_TEST_INJECT_OOM=inject)
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", *extra, "--config", str(config)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_with_faults(*extra, "--config", str(config), oom=inject)
 
 
 def test_candidates_keep_the_effective_batch():

@@ -11,7 +11,7 @@ import torch
 from tests.helpers import REPO, run_trainer
 from trainer.config import load_config
 from trainer.data import collate, pack
-from trainer.loop import forward_loss
+from trainer.training.step import forward_loss
 
 bnb = pytest.importorskip("bitsandbytes")
 

@@ -8,7 +8,8 @@ import signal
 
 import pytest
 
-from tests.helpers import run_trainer, start_trainer, trainer_env, wait_for
+from tests.faults import run_with_faults
+from tests.helpers import run_trainer, start_trainer, wait_for
 from trainer import runlog
 from trainer.runlog import iter_records, last_per_step
 
@@ -66,17 +67,8 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(write_config, tmp_path, r
 def test_crash_during_save_leaves_no_checkpoint_that_resume_would_take(write_config, tmp_path, reference):
     config = write_config()
     run = tmp_path / "run"
-    env = dict(trainer_env(), KIT_TEST_CRASH_DURING_SAVE="checkpoint-8")
-    import subprocess
-    import sys
-
-    crashed = subprocess.run(
-        [sys.executable, "-m", "trainer", "train", "--config", str(config)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(tmp_path),
+    crashed = run_with_faults(
+        "train", "--config", str(config), crash_during_save="checkpoint-8", cwd=tmp_path
     )
     assert crashed.returncode == 137
     assert (run / ".tmp-checkpoint-8").is_dir() and not (run / "checkpoint-8").exists()

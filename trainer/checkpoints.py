@@ -23,6 +23,7 @@ from trainer.runlog import (
     checkpoint_step,
     read_run_json,
 )
+from trainer.training.faults import NO_FAULTS, Faults
 
 TMP_PREFIX = ".tmp-"
 STATE_DIR = "training_state"
@@ -131,7 +132,9 @@ def fsync_tree(path: Path) -> None:
                 os.fsync(handle.fileno())
 
 
-def save_checkpoint(accelerator, model, tokenizer, output_dir: Path, name: str, state: dict) -> Path:
+def save_checkpoint(
+    accelerator, model, tokenizer, output_dir: Path, name: str, state: dict, faults: Faults = NO_FAULTS
+) -> Path:
     """Write the weights (adapter or full model), tokenizer, accelerate state and trainer_state.json.
 
     Every process takes part (accelerate writes per-process RNG states); rank 0 renames.
@@ -150,8 +153,7 @@ def save_checkpoint(accelerator, model, tokenizer, output_dir: Path, name: str, 
         else:
             unwrapped.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if os.environ.get("KIT_TEST_CRASH_DURING_SAVE") == name:
-            os._exit(137)  # fault injection for the tests: die like SIGKILL half-way through a save
+        faults.during_save(name)  # tests: die like SIGKILL half-way through a save
         (tmp / TRAINER_STATE).write_text(json.dumps({**state, "ts": round(time.time(), 3)}, indent=2) + "\n")
         fsync_tree(tmp)
         if final.exists():

@@ -57,9 +57,14 @@ def quiet_exit_on_broken_pipe() -> int:
     return EXIT_BROKEN_PIPE
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, faults=None) -> int:
+    """``faults``: a ``trainer.training.faults.Faults`` for tests that break a run on purpose
+    (tests/faulty_trainer.py); the verbs that train or plan pass it on."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
+    if faults is None:
+        from trainer.training.faults import NO_FAULTS as faults
+    args.faults = faults
     from trainer import quiet
 
     quiet.install(args.verbose)

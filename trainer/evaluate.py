@@ -1,47 +1,16 @@
-"""Evaluation: token-weighted validation loss, and generation-based task metrics, across all ranks.
+"""Evaluation: generation-based task metrics across all ranks, the task and the metric for "best".
 
-Both are sharded over processes and merged before anyone decides what is best, so every rank
-agrees on the best checkpoint. Task scoring uses trainer/tasks (official GLUE and Spider metrics).
+Generation is sharded over processes and gathered before scoring, so every rank agrees on the best
+checkpoint. Task scoring uses trainer/tasks (official GLUE and Spider metrics). The validation loss
+lives beside the training step, in trainer/training/evaluation.py, since it uses the step's loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-
-import torch
 
 from trainer.config import Config
-from trainer.data import IGNORE, Sequence, collate
 from trainer.runfolder import guess_greater_is_better
-
-
-def count_targets(batch: dict) -> int:
-    return int((batch["labels"][:, 1:] != IGNORE).sum())
-
-
-@torch.no_grad()
-def evaluate_loss(model, val: list[Sequence], cfg: Config, accelerator, pad_id: int, loss_fn) -> dict:
-    """Token-weighted validation loss across all ranks; ``loss_fn`` is the loop's forward_loss."""
-    was_training = model.training
-    model.eval()
-    world, rank = accelerator.num_processes, accelerator.process_index
-    bs = cfg.eval.batch_size
-    batches = [list(range(i, min(i + bs, len(val)))) for i in range(0, len(val), bs)]
-    if cfg.eval.max_batches:
-        batches = batches[: cfg.eval.max_batches]
-    loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    tokens = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    for ids in batches[rank::world]:
-        batch = collate([val[i] for i in ids], pad_id)
-        ce_sum, _ = loss_fn(model, batch, accelerator)
-        loss_sum += ce_sum.double()
-        tokens += count_targets(batch)
-    loss_sum = accelerator.reduce(loss_sum, "sum")
-    tokens = accelerator.reduce(tokens, "sum")
-    model.train(was_training)
-    eval_loss = float(loss_sum / tokens) if tokens > 0 else float("nan")
-    return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(tokens)}
 
 
 def load_task(cfg: Config):

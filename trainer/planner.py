@@ -16,7 +16,9 @@ import torch
 
 from trainer.config import Config
 from trainer.data import collate, pack
-from trainer.oom import OomInjector, free_memory, is_oom
+from trainer.training.faults import NO_FAULTS, Faults
+from trainer.training.oom_retry import free_memory, is_oom
+from trainer.training.step import LossFn
 
 
 @dataclass
@@ -76,11 +78,10 @@ def synthetic_rows(vocab_size: int, rows: int, length: int, seed: int = 0):
 
 
 def measure(
-    model, optimizer, candidate: Candidate, steps: int, accelerator, vocab: int, injector: OomInjector
+    model, optimizer, candidate: Candidate, steps: int, accelerator, vocab: int, loss: LossFn, faults: Faults
 ) -> None:
-    """Run ``steps`` optimizer steps of this shape; fills tokens/s and peak memory, or marks an OOM."""
-    from trainer.loop import forward_loss
-
+    """Run ``steps`` optimizer steps of this shape with the run's loss; fills tokens/s and peak memory,
+    or marks an OOM."""
     peak = PeakMemory(accelerator.device)
     rows = synthetic_rows(vocab, candidate.micro * candidate.accum, candidate.max_length)
     batches = [collate(rows[i : i + candidate.micro], 0) for i in range(0, len(rows), candidate.micro)]
@@ -91,8 +92,8 @@ def measure(
         for _ in range(steps + 1):
             started = time.perf_counter()
             for batch in batches:
-                injector.check("plan", candidate.micro)
-                ce_sum, _ = forward_loss(model, batch, accelerator)
+                faults.oom("plan", candidate.micro)
+                ce_sum, _ = loss(model, batch, accelerator)
                 accelerator.backward(ce_sum / max(1, int((batch["labels"] != -100).sum())))
                 peak.sample()
             optimizer.step()
@@ -115,27 +116,34 @@ def measure(
 
 
 def plan(
-    cfg: Config, lengths: list[int], steps: int = 2, margin: float = 0.1, memory_limit_mb: float | None = None
+    cfg: Config,
+    lengths: list[int],
+    steps: int = 2,
+    margin: float = 0.1,
+    memory_limit_mb: float | None = None,
+    faults: Faults = NO_FAULTS,
 ):
     """Dry-run every candidate on the real model; returns (chosen candidate or None, all candidates, limit MB)."""
     from accelerate import Accelerator
 
-    from trainer.loop import make_optimizer
     from trainer.modeling import load_for_training
+    from trainer.training.optim import make_optimizer
+    from trainer.training.step import choose_kernels
 
     accelerator = Accelerator(mixed_precision=cfg.training.mixed_precision)
     loaded = load_for_training(cfg, accelerator.device)
-    model = loaded.model.to(accelerator.device) if cfg.training.method != "qlora" else loaded.model
+    kernels = choose_kernels(loaded, cfg, accelerator.device)
+    model = kernels.prepare(loaded.model)
+    model = model.to(accelerator.device) if cfg.training.method != "qlora" else model
     optimizer = make_optimizer(model, cfg, accelerator.device.type == "cuda")
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
     vocab = int(accelerator.unwrap_model(model).config.vocab_size)
     limit = (memory_limit_mb or device_memory_mb(accelerator.device)) * (1 - margin)
-    injector = OomInjector()
     effective = cfg.training.micro_batch_size * cfg.training.gradient_accumulation_steps
     candidates = candidate_shapes(effective, lengths)
     for candidate in candidates:
-        measure(model, optimizer, candidate, steps, accelerator, vocab, injector)
+        measure(model, optimizer, candidate, steps, accelerator, vocab, kernels.loss, faults)
         if candidate.status == "ok" and candidate.peak_mb > limit:
             candidate.status = "over_margin"
     fitting = [c for c in candidates if c.status == "ok"]

@@ -74,22 +74,25 @@ def evaluate_checkpoint(cfg, checkpoint: Path, with_loss: bool = True) -> dict:
 
     from trainer.checkpoints import CheckpointInfo, read_state
     from trainer.data import prepare_data
-    from trainer.evaluate import evaluate_generation, evaluate_loss, load_task
-    from trainer.loop import forward_loss, load_checkpoint_weights, model_source
+    from trainer.evaluate import evaluate_generation, load_task
     from trainer.modeling import load_for_training
+    from trainer.training.checkpointing import load_checkpoint_weights, model_source
+    from trainer.training.evaluation import evaluate_loss
+    from trainer.training.step import choose_kernels
 
     accelerator = Accelerator(mixed_precision=cfg.training.mixed_precision)
     state = read_state(checkpoint) if (checkpoint / "trainer_state.json").is_file() else {"step": None}
     info = CheckpointInfo(checkpoint, state.get("step") or 0, state)
     loaded = load_for_training(model_source(cfg, info), accelerator.device)
-    model = accelerator.prepare(loaded.model)
+    kernels = choose_kernels(loaded, cfg, accelerator.device)
+    model = accelerator.prepare(kernels.prepare(loaded.model))
     load_checkpoint_weights(model, checkpoint, accelerator)
     results: dict = {"checkpoint": str(checkpoint), "step": state.get("step")}
     pad_id = loaded.tokenizer.pad_token_id or 0
     if with_loss:
         data = prepare_data(cfg.paths, cfg.data, loaded.tokenizer, loaded.family.packing)
         if data.val:
-            results.update(evaluate_loss(model, data.val, cfg, accelerator, pad_id, forward_loss))
+            results.update(evaluate_loss(model, data.val, cfg, accelerator, pad_id, kernels.loss))
     task, examples = load_task(cfg)
     if task is not None:
         generated = evaluate_generation(model, loaded.tokenizer, task, examples, cfg, accelerator)

@@ -106,7 +106,9 @@ def plan_and_record(cfg, args):
         raise ConfigError(f"--lengths: expected comma-separated integers, got {args.lengths!r}") from None
     if any(length < 8 for length in lengths):
         raise ConfigError("--lengths: expected lengths >= 8")
-    chosen, candidates, limit = plan(cfg, lengths, args.plan_steps, args.margin, args.memory_limit_mb)
+    chosen, candidates, limit = plan(
+        cfg, lengths, args.plan_steps, args.margin, args.memory_limit_mb, faults=args.faults
+    )
     print(
         f"{'micro':>6}{'accum':>7}{'length':>8}{'tokens/s':>12}{'peak MB':>10}  status (limit {limit:,.0f} MB)"
     )

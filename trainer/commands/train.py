@@ -104,7 +104,7 @@ def run(args) -> int:
             if config is None:
                 return 1
     try:
-        return train(config, resume=resume, config_source=args.config)
+        return train(config, resume=resume, config_source=args.config, faults=args.faults)
     except (CheckpointError, DataError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -16,14 +16,15 @@ What it does to a loaded (PEFT-wrapped) model, each piece only where it applies:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from trainer import chunked_loss
 from trainer.families import ModelLoadError
 from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_swiglu_mlps
+from trainer.training import chunked_loss
 
 IGNORE = -100
 ENABLED_ATTRIBUTE = "_kit_fast_path"
@@ -159,15 +160,21 @@ def fused_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, labels: tor
     return liger_fused_linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE, reduction="sum")
 
 
-def forward_loss(model, inputs: dict, labels: torch.Tensor, autocast) -> tuple[torch.Tensor, object]:
-    """The fast path's half of the loop's forward_loss: (summed CE, router aux loss or None)."""
-    head = chunked_loss.output_head(model)
-    with autocast():
-        with chunked_loss.head_bypassed(head):
-            out = model(**inputs, use_cache=False)
-        hidden = out.logits.reshape(*labels.shape, -1)
-    ce_sum = fused_cross_entropy(head, hidden, labels)
-    return ce_sum, getattr(out, "aux_loss", None)
+@dataclass(frozen=True)
+class FusedLinearCrossEntropy:
+    """The fast path's ``StepKernels.loss``: the head bypassed in the forward, then Liger's fused linear
+    cross-entropy on the hidden states (summed, as the loop normalises by the step's target tokens)."""
+
+    model_inputs: Callable[[dict], dict]
+
+    def __call__(self, model, batch: dict, accelerator):
+        inputs = {k: v.to(accelerator.device) for k, v in self.model_inputs(batch).items()}
+        head = chunked_loss.output_head(model)
+        with accelerator.autocast():
+            with chunked_loss.head_bypassed(head):
+                out = model(**inputs, use_cache=False)
+            hidden = out.logits.reshape(*batch["labels"].shape, -1)
+        return fused_cross_entropy(head, hidden, batch["labels"]), getattr(out, "aux_loss", None)
 
 
 def reference_cross_entropy(head, hidden, labels) -> torch.Tensor:

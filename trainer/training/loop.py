@@ -1,0 +1,328 @@
+"""The training recipe: named set-up steps, then ``train()``, readable top to bottom.
+
+forward -> backward (accumulate) -> clip -> step -> schedule -> log -> evaluate -> checkpoint.
+The step itself (rows, micro-batches, the loss and token-normalised accumulation, and where a fast
+path plugs in) is ``step.py``. Rank 0 writes the run folder; every rank trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer import checkpoints as ckpt
+from trainer import runlog
+from trainer.config import Config
+from trainer.data import prepare_data
+from trainer.evaluate import load_task, resolve_metric
+from trainer.experts import ExpertCounter
+from trainer.modeling import load_for_training
+from trainer.notify import Notifier
+from trainer.telemetry import TelemetrySampler
+from trainer.training import console, run_status, trackers
+from trainer.training.checkpointing import (
+    Checkpointer,
+    LoopState,
+    find_resume_checkpoint,
+    model_source,
+    restore,
+    skip_model_state,
+)
+from trainer.training.evaluation import Evaluator
+from trainer.training.faults import NO_FAULTS, Faults
+from trainer.training.oom_retry import OomFallback
+from trainer.training.optim import make_optimizer, make_scheduler
+from trainer.training.signals import StopFlag
+from trainer.training.step import Step, StepShape, choose_kernels, next_step_rows
+from trainer.training.step_log import StepLog
+
+# ---------------------------------------------------------------- set-up steps
+
+
+def make_accelerator(cfg: Config):
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    return Accelerator(
+        mixed_precision=cfg.training.mixed_precision,
+        dataloader_config=DataLoaderConfiguration(non_blocking=cfg.performance.pin_memory),
+        **trackers.accelerator_kwargs(cfg),
+    )
+
+
+def prepare_output_dir(cfg: Config, accelerator) -> Path:
+    """The run folder exists, without a crashed save's temporary folders; torch threads and TF32 set."""
+    output_dir = Path(cfg.paths.output_dir).resolve()
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.remove_stale_temporaries(output_dir)
+    accelerator.wait_for_everyone()
+    if cfg.performance.torch_threads:
+        torch.set_num_threads(cfg.performance.torch_threads)
+    if accelerator.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.performance.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.performance.tf32
+    return output_dir
+
+
+def count_steps(cfg: Config, train_rows: int, world: int) -> int:
+    micro, accum = cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps
+    steps_per_epoch = train_rows // (micro * accum * world)
+    if steps_per_epoch == 0:
+        raise ValueError(
+            f"paths.train_file: {train_rows} training rows, fewer than one optimizer step needs "
+            f"({micro} x {accum} accumulation x {world} processes)"
+        )
+    return cfg.training.max_steps or math.ceil(cfg.training.num_epochs * steps_per_epoch)
+
+
+def setup_optimizer(model, cfg: Config, accelerator, total_steps: int):
+    """Optimizer and schedule, prepared by accelerate; its checkpoints hold them but not the weights."""
+    optimizer = make_optimizer(model, cfg, accelerator.device.type == "cuda")
+    scheduler = make_scheduler(optimizer, cfg, total_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    skip_model_state(accelerator)
+    return model, optimizer, scheduler
+
+
+@dataclass
+class Run:
+    """What set-up builds for the loop."""
+
+    cfg: Config  # as resolved (eval.metric_for_best chosen)
+    model: torch.nn.Module
+    optimizer: object
+    scheduler: object
+    train_rows: int
+    rows_per_step: int  # micro-batch x accumulation x processes, whatever the OOM fallback's shape
+    total_steps: int
+    step: Step
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    oom: OomFallback
+    counter: ExpertCounter
+    notifier: Notifier
+    trackers: trackers.Trackers
+
+
+def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, config_source, faults) -> Run:
+    """Model and the step's kernels, data, optimizer, the loop's helpers; resume; then open the run."""
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.training.seed)
+    loaded = load_for_training(model_source(cfg, resume_from), accelerator.device)
+    kernels = choose_kernels(loaded, cfg, accelerator.device)
+    tokenizer, is_main = loaded.tokenizer, accelerator.is_main_process
+    data = prepare_data(
+        cfg.paths, cfg.data, tokenizer, loaded.family.packing, cfg.performance.dataloader_num_workers
+    )
+    task, task_examples = load_task(cfg)
+    cfg = resolve_metric(cfg, task)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    world = accelerator.num_processes
+    rows_per_step = cfg.training.micro_batch_size * cfg.training.gradient_accumulation_steps * world
+    total_steps = count_steps(cfg, len(data.train), world)
+    model, optimizer, scheduler = setup_optimizer(
+        kernels.prepare(loaded.model), cfg, accelerator, total_steps
+    )
+    counter = ExpertCounter(accelerator.unwrap_model(model))
+    loss = faults.loss(kernels.loss)
+    aux_coef = float(getattr(accelerator.unwrap_model(model).config, "router_aux_loss_coef", 0.0) or 0.0)
+    step = Step(model, accelerator, loss, counter, aux_coef, data.train, pad_id)
+    evaluator = Evaluator(
+        model, tokenizer, data.val, task, task_examples, cfg, accelerator, pad_id, loss, counter, log, faults
+    )
+    checkpointer = Checkpointer(accelerator, model, tokenizer, cfg, output_dir, log, faults)
+    oom = OomFallback(cfg, log, optimizer, world, is_main, faults)
+    if resume_from is not None:
+        restore(resume_from, accelerator, model, state)
+
+    notifier, tracking = open_run(
+        cfg, accelerator, output_dir, log, loaded, data, total_steps, state.step, resume_from, config_source
+    )
+    return Run(
+        cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, train_rows=len(data.train),
+        rows_per_step=rows_per_step, total_steps=total_steps, step=step, evaluator=evaluator,
+        checkpointer=checkpointer, oom=oom, counter=counter, notifier=notifier, trackers=tracking,
+    )  # fmt: skip
+
+
+def open_run(cfg, accelerator, output_dir, log, loaded, data, total_steps, step, resume_from, config_source):
+    """run.json and the opening events, the console's summary and length report, notifications, trackers."""
+    is_main = accelerator.is_main_process
+    run_status.start_run(
+        log,
+        cfg,
+        output_dir,
+        loaded,
+        data,
+        accelerator.num_processes,
+        total_steps,
+        step,
+        resume_from,
+        config_source,
+    )
+    console.announce(accelerator, cfg, loaded, data, total_steps, resume_from)
+    if is_main:
+        console.length_report(cfg, loaded.tokenizer, output_dir, log, step)
+    notifier = Notifier.from_config(cfg, run_name=output_dir.name, enabled=is_main)
+    notifier.notify(
+        "start",
+        {
+            "step": step,
+            "total_steps": total_steps,
+            "model": cfg.model.name_or_path,
+            "resumed": resume_from is not None,
+            "output_dir": str(output_dir),
+        },
+    )
+    return notifier, trackers.Trackers(accelerator, cfg).start(output_dir.name, cfg)
+
+
+def start_monitoring(cleanup, run: Run, log, accelerator, output_dir: Path, state: LoopState):
+    """Expert hooks, telemetry sampler, signal handlers and progress bar, each released by ``cleanup``."""
+    cfg = run.cfg
+    cleanup.callback(run.counter.remove)
+    telemetry = TelemetrySampler(
+        output_dir, cfg.logging.telemetry_interval, enabled=accelerator.is_local_main_process
+    )
+    telemetry.start()
+    cleanup.callback(telemetry.stop)
+    stop = StopFlag().install()
+    cleanup.callback(stop.restore)
+    step_log = StepLog(
+        cfg, log, accelerator, run.counter, run.trackers, run.total_steps, run.train_rows, state.step
+    )
+    cleanup.callback(step_log.close)
+    return stop, step_log
+
+
+def skip_reason(loss: float, grad_norm: float, cfg: Config) -> str | None:
+    """Why this step must not update the weights, or None."""
+    if not math.isfinite(loss):
+        return "nonfinite_loss"
+    if not math.isfinite(grad_norm) and cfg.training.mixed_precision != "fp16":
+        return "nonfinite_grad_norm"  # fp16: the grad scaler skips and lowers its scale itself
+    return None
+
+
+def eval_due(step: int, total_steps: int, cfg: Config) -> bool:
+    return step % cfg.eval.interval == 0 or (step == total_steps and cfg.eval.at_end)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def train(
+    cfg: Config, resume: str | None = None, config_source: str | None = None, faults: Faults = NO_FAULTS
+) -> int:
+    """Run training; returns the process exit code (0 done, 130/143 stopped by a signal).
+
+    ``faults`` lets tests break the run on purpose (see faults.py); production passes nothing."""
+    accelerator = make_accelerator(cfg)
+    output_dir = prepare_output_dir(cfg, accelerator)
+    resume_from = find_resume_checkpoint(cfg, resume, output_dir)
+    log = runlog.RunLog(output_dir, enabled=accelerator.is_main_process)
+    state = LoopState(StepShape(cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps))
+    run: Run | None = None
+    exit_code = 0
+    try:
+        # Released first on every ending (finish, signal, error), before run.json says how it ended.
+        with contextlib.ExitStack() as cleanup:
+            run = set_up(cfg, accelerator, output_dir, log, resume_from, state, config_source, faults)
+            cfg, model, optimizer, scheduler = run.cfg, run.model, run.optimizer, run.scheduler
+            stop, step_log = start_monitoring(cleanup, run, log, accelerator, output_dir, state)
+
+            model.train()
+            if cfg.eval.at_start and state.step == 0:
+                state.last_eval = run.evaluator.run(state.step, state.best)
+            while state.step < run.total_steps:
+                started = time.time()
+                rows, state.pos = next_step_rows(
+                    run.train_rows, run.rows_per_step, cfg.training.seed, state.pos
+                )
+                result, state.shape = run.oom.run(
+                    state.step,
+                    state.shape,
+                    functools.partial(run.step, rows),
+                    save_before_failing=lambda: run.checkpointer.save("oom", state),
+                )
+                state.step += 1
+                # The update: clip, skip a non-finite step (inline, where the reader sees it), step, schedule.
+                loss = float(accelerator.reduce(result.loss_sum, "sum") / result.targets)
+                max_norm = cfg.optimization.max_grad_norm or float("inf")
+                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+                lr = scheduler.get_last_lr()[0]
+                skipped = skip_reason(loss, grad_norm, cfg)
+                if skipped is None:
+                    optimizer.step()
+                else:
+                    log.event("step_skipped", step=state.step, reason=skipped, loss=loss, grad_norm=grad_norm)
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.final_loss = loss
+                run.notifier.heartbeat(state.step)
+                step_log.record(state, result, lr, grad_norm, skipped, time.time() - started)
+
+                should_save = state.step % cfg.training.save_steps == 0 and state.step < run.total_steps
+                if should_save or eval_due(state.step, run.total_steps, cfg):
+                    state.last_eval = run.evaluator.run(state.step, state.best)
+                    run.trackers.log_eval(state.step, state.last_eval)
+                if should_save:
+                    run.checkpointer.save("periodic", state)
+                if stop.requested(accelerator):
+                    log.event("signal", step=state.step, signal=stop.name)
+                    if not should_save:
+                        run.checkpointer.save("signal", state)
+                    exit_code = stop.exit_code
+                    break
+                if state.step % 10 == 0:
+                    log.update_run(step=state.step)
+            else:
+                run.checkpointer.save("final", state)
+    except BaseException as exc:
+        end_with_error(exc, log, state, accelerator, run)
+        raise
+    end(exit_code, log, state, accelerator, run, output_dir)
+    return exit_code
+
+
+# ---------------------------------------------------------------- the two endings
+
+
+def end_with_error(exc: BaseException, log, state: LoopState, accelerator, run: Run | None) -> None:
+    """A failure (or a second Ctrl-C): error_log.jsonl and run.json first, then trackers and notifications."""
+    run_status.record_failure(log, exc, state.step, accelerator.process_index)
+    if run is not None:
+        run.trackers.end()
+        run.notifier.notify("failure", {"step": state.step, "error": f"{type(exc).__name__}: {exc}"})
+        run.notifier.close()
+
+
+def end(exit_code: int, log, state: LoopState, accelerator, run: Run, output_dir: Path) -> None:
+    """Finished, or stopped by a signal after its checkpoint: run.json, trackers, notifications, report."""
+    status = "finished" if exit_code == 0 else "interrupted"
+    run_status.end_run(log, status, state.step, state.final_loss, state.best)
+    run.trackers.end()
+    run.notifier.notify(
+        "finish" if exit_code == 0 else "interrupt",
+        {
+            "step": state.step,
+            "total_steps": run.total_steps,
+            "final_loss": state.final_loss,
+            "best_metric": state.best,
+        },
+    )
+    run.notifier.close()
+    if accelerator.is_main_process:
+        console.end_of_run_report(output_dir)
+        console.print_summary(
+            output_dir, status, state.step, run.total_steps, state.final_loss, state.best, run.cfg
+        )

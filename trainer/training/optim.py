@@ -1,0 +1,60 @@
+"""Optimizer and learning-rate schedule, built from the optimization section of the config."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainer.config import Config
+
+
+def make_optimizer(model, cfg: Config, on_cuda: bool):
+    """AdamW, or bitsandbytes' 8-bit / paged variants (CUDA only: they page through unified memory).
+
+    Biases and norms (parameters under two dimensions) get no weight decay."""
+    o = cfg.optimization
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {"lr": o.learning_rate, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_epsilon}
+    if o.optimizer == "adamw":
+        return torch.optim.AdamW(groups, **kwargs)
+    if not on_cuda:
+        raise RuntimeError(f"optimization.optimizer: {o.optimizer} needs a CUDA GPU; use adamw on CPU")
+    import bitsandbytes as bnb
+
+    cls = {
+        "adamw_8bit": bnb.optim.AdamW8bit,
+        "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+        "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
+    }[o.optimizer]
+    return cls(groups, **kwargs)
+
+
+def warmup_steps(cfg: Config, total_steps: int) -> int:
+    o = cfg.optimization
+    return o.warmup_steps if o.warmup_steps > 0 else int(math.ceil(o.warmup_ratio * total_steps))
+
+
+def make_scheduler(optimizer, cfg: Config, total_steps: int):
+    """transformers' schedules; ``constant`` keeps its warmup, ``min_lr_ratio`` sets the floor."""
+    from transformers import get_scheduler
+
+    o = cfg.optimization
+    name, extra = o.lr_scheduler, {}
+    warmup = warmup_steps(cfg, total_steps)
+    if name == "constant":
+        name = "constant_with_warmup"
+    elif name == "cosine" and o.min_lr_ratio > 0:
+        name, extra = "cosine_with_min_lr", {"min_lr_rate": o.min_lr_ratio}
+    elif name == "polynomial":
+        extra = {"power": o.polynomial_power, "lr_end": o.learning_rate * o.min_lr_ratio}
+    return get_scheduler(
+        name,
+        optimizer,
+        num_warmup_steps=warmup,
+        num_training_steps=total_steps,
+        scheduler_specific_kwargs=extra or None,
+    )

@@ -1,0 +1,91 @@
+"""run.json and the events that open and close a run: what a reader of the run folder sees of its life.
+
+A run ends in exactly one of three ways: finished, interrupted (a signal, or a second Ctrl-C) or
+failed; each writes run.json's status and one run_end event, then closes the log.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from trainer import runlog
+from trainer.config import Config, dump_config
+
+
+def library_versions() -> dict:
+    import importlib.metadata as md
+
+    versions = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "flash-linear-attention"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def start_run(
+    log: runlog.RunLog, cfg: Config, output_dir: Path, loaded, data, world: int, total_steps: int, step: int,
+    resume_from, config_source: str | None,
+) -> None:  # fmt: skip
+    """config.yaml as used, run.json (kept across resumes: id, start, resume count), the opening events."""
+    if log.enabled:
+        dump_config(cfg, output_dir / runlog.CONFIG_YAML)
+    run_info = runlog.read_run_json(output_dir)
+    log.update_run(
+        run_id=run_info.get("run_id") or f"{output_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+        started_at=run_info.get("started_at") or round(time.time(), 3),
+        ended_at=None,
+        status="running",
+        model=cfg.model.name_or_path,
+        family=loaded.family.name,
+        model_type=loaded.model_type,
+        method=cfg.training.method,
+        world_size=world,
+        hosts=sorted({socket.gethostname()}),
+        pid=os.getpid(),
+        total_steps=total_steps,
+        step=step,
+        versions=library_versions(),
+        output_dir=str(output_dir),
+        config_source=config_source,
+        resumes=run_info.get("resumes", 0) + (1 if resume_from else 0),
+    )
+    log.event(
+        "run_start", step=step, resumed=resume_from is not None, world_size=world, total_steps=total_steps
+    )
+    if resume_from is not None:
+        log.event("resume", step=step, from_checkpoint=str(resume_from.path))
+    log.event("data_report", step=step, **data.report.as_event())
+    log.event("model_report", step=step, **loaded.report)
+
+
+def end_run(log: runlog.RunLog, status: str, step: int, final_loss, best) -> None:
+    """A run that finished or stopped on a signal."""
+    log.update_run(status=status, step=step, ended_at=round(time.time(), 3))
+    log.event("run_end", step=step, status=status, final_loss=final_loss, best_metric=best)
+    log.close()
+
+
+def record_failure(log: runlog.RunLog, exc: BaseException, step: int, rank: int) -> None:
+    """Fatal errors go to error_log.jsonl and run.json before the exception propagates."""
+    log.write(
+        runlog.ERROR_LOG,
+        {
+            "step": step,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "rank": rank,
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        },
+    )
+    status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    if (log.output_dir / runlog.RUN_JSON).exists():
+        log.update_run(status=status, step=step, ended_at=round(time.time(), 3))
+    log.event("run_end", step=step, status=status, error=type(exc).__name__)
+    log.close()

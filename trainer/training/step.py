@@ -1,0 +1,246 @@
+"""One optimizer step: which rows it takes, how they are fed, the loss of a micro-batch, accumulation.
+
+The loss is normalised by the target tokens of the whole accumulated batch across micro-batches
+and ranks, so micro-batch 4 x accumulation 4 gives the gradients of one batch of 16 even when
+lengths differ.
+
+Where a fast path plugs in: ``choose_kernels`` returns the ``StepKernels`` of a run once, at set-up:
+how the loaded model is prepared and how one micro-batch's summed loss is computed. Today it
+returns ``reference_kernels`` (transformers' forward plus full or chunked cross-entropy, which CPU
+keeps); a CUDA path (fused kernels, fused LoRA autograd, fused linear cross-entropy instead of
+``chunked_loss``) returns its own ``StepKernels`` there, and neither ``accumulate_gradients`` nor
+``train()`` changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from trainer.data import IGNORE, Sequence, collate, epoch_order
+from trainer.training import chunked_loss
+
+# ---------------------------------------------------------------- rows and micro-batches
+
+
+@dataclass
+class Position:
+    """Where the loop is in the data: epoch and rows consumed within it (global, all ranks)."""
+
+    epoch: int = 0
+    row: int = 0
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """How one optimizer step's rows are fed: micro-batch size, accumulation, optional row split length."""
+
+    micro: int
+    accum: int
+    split_length: int | None = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def next_step_rows(
+    train_rows: int, rows_per_step: int, seed: int, pos: Position
+) -> tuple[list[int], Position]:
+    """Row ids for the next optimizer step; a partial remainder at an epoch's end is dropped."""
+    if pos.row + rows_per_step > train_rows:
+        pos = Position(pos.epoch + 1, 0)
+    order = epoch_order(train_rows, seed, pos.epoch)
+    return order[pos.row : pos.row + rows_per_step], Position(pos.epoch, pos.row + rows_per_step)
+
+
+def split_rows(rows: list[Sequence], length: int | None) -> list[Sequence]:
+    """Cut each row into pieces of at most ``length`` tokens; every token stays in some piece."""
+    if length is None:
+        return rows
+    pieces = []
+    for row in rows:
+        for start in range(0, len(row.input_ids), length):
+            end = start + length
+            pieces.append(
+                Sequence(row.input_ids[start:end], row.labels[start:end], row.position_ids[start:end])
+            )
+    return pieces
+
+
+def micro_batches(
+    rows: list[int], data: list[Sequence], shape: StepShape, world: int, rank: int, pad_id: int
+) -> list[dict]:
+    """This rank's micro-batches of one optimizer step: micro-batch k of rank r takes the k*world+r-th slice.
+
+    After an OOM at micro-batch 1, rows are split into shorter pieces, fed one piece per micro-batch."""
+    slices = [rows[i : i + shape.micro] for i in range(0, len(rows), shape.micro)]
+    mine = [[data[j] for j in s] for s in slices[rank::world]]
+    if shape.split_length is not None:
+        mine = [[piece] for group in mine for piece in split_rows(group, shape.split_length)]
+    return [collate(group, pad_id) for group in mine]
+
+
+def count_targets(batch: dict) -> int:
+    """Tokens that carry a next-token label (prompt and padding excluded): the loss's denominator."""
+    return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+# ---------------------------------------------------------------- the loss of one micro-batch
+
+
+class LossFn(Protocol):
+    def __call__(self, model, batch: dict, accelerator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Summed next-token cross-entropy of one micro-batch, and the router aux loss (None without one).
+
+        ``accelerator`` needs ``device`` and ``autocast()`` only."""
+
+
+@dataclass(frozen=True)
+class FullCrossEntropy:
+    """The model's forward, then cross-entropy over all of its fp32 logits."""
+
+    model_inputs: Callable[[dict], dict]  # the family's: a collated batch -> the forward's keyword arguments
+
+    def __call__(self, model, batch: dict, accelerator):
+        inputs = {k: v.to(accelerator.device) for k, v in self.model_inputs(batch).items()}
+        with accelerator.autocast():
+            out = model(**inputs, use_cache=False)
+        # A family may flatten packed rows into one (GLA's varlen cu_seqlens): back to the batch's shape.
+        logits = out.logits.reshape(*batch["labels"].shape, -1)[:, :-1].float()
+        labels = batch["labels"][:, 1:].to(logits.device)
+        ce_sum = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
+        )
+        return ce_sum, getattr(out, "aux_loss", None)
+
+
+@dataclass(frozen=True)
+class ChunkedCrossEntropy:
+    """memory.chunked_loss: the output head bypassed in the forward, then run chunk by chunk
+    (trainer/training/chunked_loss.py), so the full fp32 logits never exist."""
+
+    model_inputs: Callable[[dict], dict]
+
+    def __call__(self, model, batch: dict, accelerator):
+        inputs = {k: v.to(accelerator.device) for k, v in self.model_inputs(batch).items()}
+        head = chunked_loss.output_head(model)
+        with accelerator.autocast():
+            with chunked_loss.head_bypassed(head):
+                out = model(**inputs, use_cache=False)
+            hidden = out.logits.reshape(*batch["labels"].shape, -1)
+            ce_sum = chunked_loss.chunked_cross_entropy(head, hidden, batch["labels"])
+        return ce_sum, getattr(out, "aux_loss", None)
+
+
+def _as_loaded(model):
+    return model
+
+
+@dataclass(frozen=True)
+class StepKernels:
+    """The two things a fast path replaces, picked once per run.
+
+    ``prepare`` turns the loaded model into the one that trains (before ``accelerator.prepare``);
+    ``loss`` computes one micro-batch's summed loss with it."""
+
+    name: str
+    loss: LossFn
+    prepare: Callable[[torch.nn.Module], torch.nn.Module] = _as_loaded
+
+
+def reference_kernels(model, family) -> StepKernels:
+    """transformers' forward with the family's inputs; chunked cross-entropy where modeling enabled it."""
+    if chunked_loss.enabled(model):
+        return StepKernels("reference-chunked-ce", ChunkedCrossEntropy(family.model_inputs))
+    return StepKernels("reference", FullCrossEntropy(family.model_inputs))
+
+
+def kernels_for(model, family) -> StepKernels:
+    """The CUDA fast path's loss where loading put it on the model (trainer/fastpath), else the reference."""
+    from trainer import fastpath
+
+    if fastpath.enabled(model):
+        return StepKernels("fast-path", fastpath.FusedLinearCrossEntropy(family.model_inputs))
+    return reference_kernels(model, family)
+
+
+def choose_kernels(loaded, cfg, device: torch.device) -> StepKernels:
+    """The run's kernels, from what was loaded (``modeling.LoadedModel``), the config and the device.
+
+    ``modeling.load_for_training`` already decided the fast path (``performance.fast_path``, CUDA, family),
+    since QLoRA's preparation differs on it; everything else is the reference."""
+    return kernels_for(loaded.model, loaded.family)
+
+
+def forward_loss(model, batch: dict, accelerator):
+    """The loss for a model alone (tests, benchmarks): its family found from its own type."""
+    from trainer.families import family_for
+
+    config = getattr(chunked_loss.unwrap(model), "config", None)
+    family = family_for(getattr(config, "model_type", "") or "")
+    return kernels_for(model, family).loss(model, batch, accelerator)
+
+
+# ---------------------------------------------------------------- accumulation
+
+
+@dataclass
+class StepResult:
+    """What one step's forward and backward passes leave for the update and the log."""
+
+    targets: torch.Tensor  # target tokens of the whole step, all ranks: the loss's denominator
+    loss_sum: torch.Tensor  # this rank's summed cross-entropy
+    aux_total: torch.Tensor  # this rank's router aux loss, averaged over micro-batches
+    has_aux: bool  # the model returns a router aux loss
+    input_tokens: int  # this rank's non-padding input tokens
+
+
+@dataclass
+class Step:
+    """One optimizer step's forward and backward passes: rows -> this rank's micro-batches -> gradients."""
+
+    model: torch.nn.Module
+    accelerator: object
+    loss: LossFn  # the run's StepKernels.loss
+    counter: object  # experts.ExpertCounter: told where each micro-batch's real tokens are
+    aux_coef: float  # the model's router_aux_loss_coef (0 when it has none)
+    data: list[Sequence]  # the training rows
+    pad_id: int
+
+    def __call__(self, rows: list[int], shape: StepShape) -> StepResult:
+        accelerator = self.accelerator
+        batches = micro_batches(
+            rows, self.data, shape, accelerator.num_processes, accelerator.process_index, self.pad_id
+        )
+        return self.accumulate(batches)
+
+    def accumulate(self, batches: list[dict]) -> StepResult:
+        """Gradients of the step's loss, normalised by all of its target tokens."""
+        accelerator = self.accelerator
+        world = accelerator.num_processes
+        local_targets = torch.tensor(float(sum(count_targets(b) for b in batches)), device=accelerator.device)
+        global_targets = accelerator.reduce(local_targets, "sum").clamp(min=1.0)
+        ce_total = torch.zeros((), device=accelerator.device)
+        aux_total = torch.zeros((), device=accelerator.device)
+        input_tokens = sum(int(b["token_mask"].sum()) for b in batches)
+        aux = None
+        for k, batch in enumerate(batches):
+            sync = k == len(batches) - 1
+            with contextlib.nullcontext() if sync else accelerator.no_sync(self.model):
+                self.counter.start_micro_batch(batch["token_mask"])
+                ce_sum, aux = self.loss(self.model, batch, accelerator)
+                # DDP averages gradients over ranks, hence x world; dividing by all target tokens
+                # of the step makes every token count the same whatever micro-batch it sits in.
+                loss = ce_sum * world / global_targets
+                if aux is not None and self.aux_coef:
+                    loss = loss + self.aux_coef * aux / len(batches)
+                    aux_total += aux.detach() / len(batches)
+                accelerator.backward(loss)
+            ce_total += ce_sum.detach()
+        return StepResult(global_targets, ce_total, aux_total, aux is not None, input_tokens)

@@ -1,0 +1,117 @@
+"""What each optimizer step leaves behind: its training_log.jsonl record, expert usage, the progress bar.
+
+Collectives (token counts, expert counts) run on every rank at the same steps, whatever rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from trainer import runlog
+from trainer.config import Config
+from trainer.training.checkpointing import LoopState
+from trainer.training.step import StepResult
+from trainer.training.trackers import Trackers
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak GPU memory since the last record (the counter is reset), or the process's RSS on CPU."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+        return round(peak, 1)
+    import psutil
+
+    return round(psutil.Process().memory_info().rss / 2**20, 1)
+
+
+def make_progress(enabled: bool, step: int, total: int):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
+
+
+class StepLog:
+    """Writes one step's record every ``logging.interval`` steps and expert usage every ``expert_interval``."""
+
+    def __init__(
+        self, cfg: Config, log: runlog.RunLog, accelerator, counter, trackers: Trackers, total_steps: int,
+        train_rows: int, start_step: int,
+    ):  # fmt: skip
+        self.cfg, self.log, self.accelerator = cfg, log, accelerator
+        self.counter, self.trackers = counter, trackers
+        self.total_steps, self.train_rows = total_steps, train_rows
+        self.progress = make_progress(
+            accelerator.is_main_process and cfg.logging.progress_bar, start_step, total_steps
+        )
+        self.expert_window_start = start_step + 1
+        self.train_start = time.time()
+        self.step_time_ema: float | None = None
+
+    def record(
+        self,
+        state: LoopState,
+        result: StepResult,
+        lr: float,
+        grad_norm: float,
+        skipped: str | None,
+        seconds: float,
+    ) -> None:
+        """After the update of step ``state.step``, which took ``seconds``; ``state.final_loss`` is its loss."""
+        accelerator, step, total, loss = self.accelerator, state.step, self.total_steps, state.final_loss
+        ema = self.step_time_ema
+        self.step_time_ema = seconds if ema is None else 0.9 * ema + 0.1 * seconds
+        tokens_all = int(
+            accelerator.reduce(torch.tensor(result.input_tokens, device=accelerator.device), "sum")
+        )
+        if step % self.cfg.logging.interval == 0 or step == total:
+            record = {
+                "step": step,
+                "total_steps": total,
+                "epoch": round(state.pos.epoch + state.pos.row / self.train_rows, 4),
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens": int(result.targets),
+                "tokens_per_sec": round(tokens_all / seconds, 1),
+                "steps_per_sec": round(1 / seconds, 4),
+                "eta_seconds": round(self.step_time_ema * (total - step), 1),
+                "elapsed": round(time.time() - self.train_start, 2),
+                "peak_mem_mb": peak_memory_mb(accelerator.device),
+            }
+            if result.has_aux:
+                record["aux_loss"] = float(accelerator.reduce(result.aux_total, "mean"))
+            if skipped:
+                record["skipped"] = True
+            self.log.write(runlog.TRAINING_LOG, record)
+            self.trackers.log_step(step, loss, lr, grad_norm)
+        if self.counter.active and (step % self.cfg.logging.expert_interval == 0 or step == total):
+            self.flush_experts(step)
+        if self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_all / seconds:,.0f}")
+
+    def flush_experts(self, step: int) -> None:
+        accelerator = self.accelerator
+        layers = self.counter.flush(
+            all_reduce=lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu()
+        )
+        self.log.write(
+            runlog.EXPERT_LOG,
+            {
+                "step": step,
+                "start_step": self.expert_window_start,
+                "num_experts": self.counter.num_experts,
+                "top_k": self.counter.top_k,
+                "layers": layers,
+            },
+        )
+        self.expert_window_start = step + 1
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
