@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--qlora", action="store_true")
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--liger", action="store_true", help="use_liger_kernel=True (Trainer + Liger)")
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -48,17 +49,20 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(args.model)
-    with tempfile.TemporaryDirectory() as tmp:
-        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp)
-        kwargs = {"dtype": torch.bfloat16, "device_map": {"": 0}}
-        if args.qlora:
-            kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.bfloat16,
-            )
-        model = AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
+    kwargs = {"dtype": torch.bfloat16, "device_map": {"": 0}}
+    if args.qlora:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+    if (Path(args.model) / "model.safetensors").exists():  # weights saved once by bench_core_gpu.py
+        model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp)
+            model = AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
     if args.qlora:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.checkpointing)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -94,6 +98,7 @@ def main() -> None:
         report_to=[],
         lr_scheduler_type="constant",
         dataloader_drop_last=True,
+        use_liger_kernel=args.liger,
     )
     torch.cuda.reset_peak_memory_stats()
     Trainer(
