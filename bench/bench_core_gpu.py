@@ -143,6 +143,7 @@ def trainer_config(
     for key, value in extra.items():  # section.key overrides
         section, name = key.split(".")
         cfg.setdefault(section, {})[name] = value
+    out.parent.mkdir(parents=True, exist_ok=True)
     path = out.parent / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
