@@ -115,13 +115,24 @@ def model_dir(root: Path, name: str, config: dict, weights: bool = False) -> Pat
     return folder
 
 
+def long_documents(root: Path) -> Path:
+    """The shipped corpus joined into one long document, so every 2048-token row is a plain causal window
+    (as in the anchors' fixed-length rows) rather than several packed documents, whose block-diagonal
+    mask keeps SDPA off its flash kernels; packed short documents are bench_packing_gpu.py's subject."""
+    path = root / "long_document.jsonl"
+    if not path.exists():
+        texts = [json.loads(line)["text"] for line in (REPO / "data" / "tiny_corpus.jsonl").open()]
+        path.write_text(json.dumps({"text": "\n\n".join(texts)}) + "\n")
+    return path
+
+
 def trainer_config(
     out: Path, model: Path, method: str, steps: int, checkpointing: bool, targets: list[str], **extra
 ) -> Path:
     import yaml
 
     cfg = {
-        "paths": {"output_dir": str(out), "train_file": str(REPO / "data" / "tiny_corpus.jsonl")},
+        "paths": {"output_dir": str(out), "train_file": str(long_documents(out.parent))},
         "model": {"name_or_path": str(model), "random_init": not (model / "model.safetensors").exists()},
         "training": {
             "method": method,
@@ -134,7 +145,7 @@ def trainer_config(
         "optimization": {"learning_rate": 2e-4, "lr_scheduler": "constant"},
         "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": targets},
         "quantization": {"compute_dtype": "bf16"},
-        "data": {"max_length": 2048, "val_fraction": 0.01},
+        "data": {"max_length": 2048, "val_fraction": 0.0, "long_documents": "split"},
         "eval": {"interval": 10_000, "at_end": False},
         "memory": {"gradient_checkpointing": checkpointing},
         "logging": {"progress_bar": False, "telemetry_interval": 2, "expert_interval": 5},
@@ -194,6 +205,7 @@ def run_ours(
 def run_hf(model: Path, steps: int, quantize: bool, checkpointing: bool, liger: bool) -> dict:
     """transformers' Trainer + PEFT (optionally with Liger's kernels) on the same model, rows and settings."""
     args = [sys.executable, str(REPO / "bench" / "hf_trainer_baseline.py"), "--model", str(model)]
+    args += ["--train-file", str(long_documents(model.parent.parent))]
     args += ["--steps", str(steps)] + ["--qlora"] * quantize + ["--checkpointing"] * checkpointing
     args += ["--liger"] * liger
     try:

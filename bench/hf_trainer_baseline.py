@@ -40,10 +40,11 @@ def main() -> None:
     parser.add_argument("--qlora", action="store_true")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--liger", action="store_true", help="use_liger_kernel=True (Trainer + Liger)")
+    parser.add_argument("--train-file", default=str(REPO / "data" / "tiny_corpus.jsonl"))
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    paths = PathsConfig(train_file=str(REPO / "data" / "tiny_corpus.jsonl"))
+    paths = PathsConfig(train_file=args.train_file)
     rows = prepare_data(paths, DataConfig(max_length=2048, val_fraction=0.0), tokenizer, True).train
     dataset = [{"input_ids": r.input_ids, "labels": r.labels, "position_ids": r.position_ids} for r in rows]
 

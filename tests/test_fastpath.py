@@ -201,3 +201,23 @@ def test_torch_rms_norm_matches_the_models_own():
     reference = model(ids).logits
     assert use_torch_rms_norm(model) == 2 * 2 + 1
     assert rel_err(model(ids).logits, reference) < 1e-5
+
+
+def test_fused_loss_runs_in_the_heads_dtype_whatever_accelerate_hands_back(monkeypatch):
+    """accelerate returns fp32 outputs under bf16 mixed precision: the head must not be upcast to match."""
+    import trainer.fastpath as fastpath
+
+    seen = {}
+
+    def fake_flce(hidden, weight, labels, ignore_index, reduction):
+        seen.update(hidden=hidden.dtype, weight=weight.dtype, n=labels.numel(), reduction=reduction)
+        return fastpath.reference_cross_entropy(
+            torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False), hidden[None].float(), labels[None]
+        )
+
+    monkeypatch.setattr(fastpath, "_liger_flce", lambda: fake_flce)
+    head = torch.nn.Linear(8, 11, bias=False).to(torch.bfloat16)
+    hidden = torch.randn(2, 5, 8)  # fp32, as accelerate's convert_outputs_to_fp32 leaves it
+    labels = torch.tensor([[1, 2, -100, 4, 5], [6, -100, -100, 9, 10]])
+    fastpath.fused_cross_entropy(head, hidden, labels)
+    assert seen == {"hidden": torch.bfloat16, "weight": torch.bfloat16, "n": 5, "reduction": "sum"}

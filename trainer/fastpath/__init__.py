@@ -146,18 +146,26 @@ def enabled(model) -> bool:
     return bool(getattr(chunked_loss.unwrap(model), ENABLED_ATTRIBUTE, False))
 
 
-def fused_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy of ``hidden`` (B x T x H) through ``head``, never building the logits."""
+def _liger_flce():
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
+    return liger_fused_linear_cross_entropy
+
+
+def fused_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy of ``hidden`` (B x T x H) through ``head``, never building the logits.
+
+    Runs in the head's own dtype: accelerate hands the forward's outputs back in fp32 under mixed precision,
+    and casting the 128k x H head up to match would copy it (a GiB) and run the head in fp32 every step.
+    """
+    dtype = head.weight.dtype
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     labels = labels[:, 1:].reshape(-1).to(hidden.device)
     keep = labels != IGNORE  # prompt and padding tokens need no logits at all
-    hidden, labels = hidden[keep], labels[keep]
+    hidden, labels = hidden[keep].to(dtype), labels[keep]
     if labels.numel() == 0:
-        return hidden.sum() * 0.0
-    weight = head.weight.to(hidden.dtype) if head.weight.dtype != hidden.dtype else head.weight
-    return liger_fused_linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE, reduction="sum")
+        return hidden.float().sum() * 0.0
+    return _liger_flce()(hidden, head.weight, labels, ignore_index=IGNORE, reduction="sum")
 
 
 @dataclass(frozen=True)
