@@ -78,12 +78,12 @@ fi
 run_once() {
   if [ "${num_processes:-0}" -gt 1 ]; then
     # shellcheck disable=SC2086
-    accelerate launch --num_processes "$num_processes" --multi_gpu ${ACCELERATE_ARGS:-} -m trainer train "$@"
+    accelerate launch --num_processes "$num_processes" --multi_gpu ${ACCELERATE_ARGS:-} -m trainer train "$@" 2>&3 3>&-
   elif [ -n "${ACCELERATE_ARGS:-}" ]; then
     # shellcheck disable=SC2086
-    accelerate launch --num_processes 1 ${ACCELERATE_ARGS} -m trainer train "$@"
+    accelerate launch --num_processes 1 ${ACCELERATE_ARGS} -m trainer train "$@" 2>&3 3>&-
   else
-    python -m trainer train "$@"
+    python -m trainer train "$@" 2>&3 3>&-
   fi
 }
 
@@ -98,8 +98,9 @@ done
 attempt=0
 while true; do
   started=$(date +%s)
-  # In a subshell: bash would print its own "Killed" line for a killed child; exit_report says more.
-  (run_once "${trainer_args[@]}")
+  # In a subshell whose own stderr is /dev/null: bash prints its "Killed" line for a child killed by a
+  # signal there, while the trainer keeps the real stderr (fd 3); exit_report says more than "Killed".
+  (exec 3>&2 2>/dev/null; run_once "${trainer_args[@]}")
   code=$?
   # 0 done, 2 bad input, 3 refused: the trainer has said why; nothing to add or retry.
   case "$code" in 0|2|3) exit "$code" ;; esac
