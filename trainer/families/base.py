@@ -11,9 +11,32 @@ class ModelLoadError(RuntimeError):
     """A model or tokenizer could not be loaded; the message names the missing file or setting."""
 
 
+def has_document_boundaries(batch: dict) -> bool:
+    """True when a row holds more than one document: its ``position_ids`` restart inside its real tokens
+    (``token_mask``; collate's right padding, at position 0, is not a document)."""
+    positions = batch.get("position_ids")
+    if positions is None or positions.shape[-1] < 2:
+        return False
+    restarts = positions[:, 1:] != positions[:, :-1] + 1
+    real = batch.get("token_mask")
+    if real is not None:
+        restarts &= real[:, 1:].bool()
+    return bool(restarts.any())
+
+
 def causal_inputs(batch: dict) -> dict:
-    """What transformers' causal LMs take: restarting position_ids keep packed documents apart."""
-    return {k: batch[k] for k in ("input_ids", "position_ids", "attention_mask") if k in batch}
+    """What transformers' causal LMs take: restarting position_ids keep packed documents apart.
+
+    transformers 5 builds the block-diagonal mask from ``position_ids`` only when no 2-D attention_mask
+    and no cache are given (``masking_utils._preprocess_mask_arguments``); with a padding mask it builds a
+    plain causal one, and packed documents would see each other. So a batch that is both packed and
+    padded goes without its mask: the padding is on the right, where causal attention never looks from a
+    real token, and each pad token (position 0) becomes a one-token document of its own. An unpacked
+    padded batch keeps its mask (a MoE router's aux loss uses it to leave padding out)."""
+    keys = ("input_ids", "position_ids", "attention_mask")
+    if "attention_mask" in batch and has_document_boundaries(batch):
+        keys = ("input_ids", "position_ids")
+    return {k: batch[k] for k in keys if k in batch}
 
 
 def _nothing(*args) -> None:
