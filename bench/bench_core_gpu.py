@@ -110,7 +110,7 @@ def trainer_config(
 
 
 def summarise_run(run: Path, warmup: int) -> dict:
-    from trainer.runlog import iter_records
+    from trainer.runfolder import iter_records
 
     records = list(iter_records(run / "logs" / "training_log.jsonl"))
     steady = records[warmup:] or records

@@ -247,7 +247,7 @@ def test_run_config_of_an_older_version_is_read_with_its_removed_keys_ignored(tm
 
 
 def test_list_reads_the_ranking_metric_from_an_old_config(tmp_path):
-    from trainer.runinfo import eval_section
+    from trainer.reports.runinfo import eval_section
 
     (tmp_path / "config.yaml").write_text(
         yaml.safe_dump({"eval": {"metric_for_best": "f1", "greater_is_better": False, "old": 1}})

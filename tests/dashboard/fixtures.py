@@ -1,10 +1,10 @@
-"""Hand-made run folders for the dashboard tests, written with the trainer's own ``runlog`` helpers.
+"""Hand-made run folders for the dashboard tests, written with the trainer's own ``runfolder`` helpers.
 
 ``build_log_root`` lays out a log root with one run per oddity the dashboard must survive:
 a resume that replays steps, a NaN loss, a garbage line, a half-written last line, an error with
 a traceback, GPU samples for two devices plus the CPU, expert usage, pruned checkpoints, empty
 and missing logs, a broken run.json, a nested run, and a symlink that leaves the root.
-Import the fixtures with ``from tests.dashboard_fixtures import *``.
+The ``log_root``, ``app`` and ``client`` fixtures built on them are in tests/dashboard/conftest.py.
 """
 
 from __future__ import annotations
@@ -15,12 +15,7 @@ import os
 import time
 from pathlib import Path
 
-import pytest
-
-from dashboard import create_app
-from trainer import runlog
-
-__all__ = ["log_root", "app", "client", "build_log_root", "append", "train_record", "DEMO", "TOTAL_STEPS"]
+from trainer import runfolder
 
 DEMO = "demo"
 TOTAL_STEPS = 60
@@ -33,7 +28,7 @@ LAYERS = 2
 
 def write_run_json(run: Path, payload: dict) -> None:
     run.mkdir(parents=True, exist_ok=True)
-    runlog.write_json_atomic(run / runlog.RUN_JSON, payload)
+    runfolder.write_json_atomic(run / runfolder.RUN_JSON, payload)
 
 
 def append(path: Path, records: list[dict], raw_tail: bytes = b"") -> None:
@@ -41,7 +36,7 @@ def append(path: Path, records: list[dict], raw_tail: bytes = b"") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "ab") as handle:
         for record in records:
-            handle.write(runlog.encode_record(record).encode())
+            handle.write(runfolder.encode_record(record).encode())
         handle.write(raw_tail)
 
 
@@ -70,10 +65,10 @@ def demo_loss(step: int, replay: bool = False) -> float:
 
 
 def write_checkpoint(run: Path, step: int, metric_value: float) -> None:
-    folder = run / f"{runlog.CHECKPOINT_PREFIX}{step}"
+    folder = run / f"{runfolder.CHECKPOINT_PREFIX}{step}"
     folder.mkdir(parents=True)
     (folder / "adapter_model.safetensors").write_bytes(b"\0" * 1000)
-    (folder / runlog.TRAINER_STATE).write_text(
+    (folder / runfolder.TRAINER_STATE).write_text(
         json.dumps(
             {"step": step, "epoch": step / 30, "metric": "eval_loss", "metric_value": metric_value, "ts": 0}
         )
@@ -83,7 +78,7 @@ def write_checkpoint(run: Path, step: int, metric_value: float) -> None:
 def build_demo(run: Path, now: float) -> None:
     """A running run: 25 steps, crash, resume from step 20, replay 21-25, run on to step 40."""
     t0 = now - 60
-    logs = run / runlog.LOGS_DIR
+    logs = run / runfolder.LOGS_DIR
     write_run_json(
         run,
         {
@@ -104,8 +99,8 @@ def build_demo(run: Path, now: float) -> None:
     first = [train_record(s, t0 + s, demo_loss(s)) for s in range(1, 26)]
     second = [train_record(s, t0 + 10 + s, demo_loss(s, replay=True)) for s in range(21, LAST_STEP + 1)]
     second[-1]["ts"] = now - 1.0
-    append(logs / runlog.TRAINING_LOG, first, raw_tail=b"this is not json\n")
-    append(logs / runlog.TRAINING_LOG, second, raw_tail=b'{"ts": 1, "step": 41, "lo')
+    append(logs / runfolder.TRAINING_LOG, first, raw_tail=b"this is not json\n")
+    append(logs / runfolder.TRAINING_LOG, second, raw_tail=b'{"ts": 1, "step": 41, "lo')
     evals = [
         {
             "ts": t0 + 10,
@@ -142,7 +137,7 @@ def build_demo(run: Path, now: float) -> None:
             "is_best": False,
         },
     ]
-    append(logs / runlog.EVAL_LOG, evals)
+    append(logs / runfolder.EVAL_LOG, evals)
     ck = lambda step, ts, value: {  # noqa: E731
         "ts": ts,
         "event": "checkpoint_saved",
@@ -191,7 +186,7 @@ def build_demo(run: Path, now: float) -> None:
         {"ts": t0 + 43, "event": "step_skipped", "step": NAN_STEP, "reason": "nonfinite_loss"},
         ck(40, t0 + 50, 1.3),
     ]
-    append(logs / runlog.EVENTS_LOG, events)
+    append(logs / runfolder.EVENTS_LOG, events)
     for step, value in ((20, 1.5), (30, 1.2), (40, 1.3)):
         write_checkpoint(run, step, value)
     gpu = []
@@ -233,9 +228,9 @@ def build_demo(run: Path, now: float) -> None:
                 "ram_total_mb": 16000,
             }
         )
-    append(logs / runlog.GPU_LOG, gpu)
+    append(logs / runfolder.GPU_LOG, gpu)
     append(
-        logs / runlog.EXPERT_LOG,
+        logs / runfolder.EXPERT_LOG,
         [
             expert_window(10, 1, [1, 1, 1, 1]),
             expert_window(20, 11, [4, 2, 1, 1]),
@@ -243,7 +238,7 @@ def build_demo(run: Path, now: float) -> None:
             expert_window(30, 21, [1, 1, 1, 5]),
         ],
     )
-    append(logs / runlog.ERROR_LOG, [])
+    append(logs / runfolder.ERROR_LOG, [])
 
 
 def expert_window(step: int, start: int, weights: list[int]) -> dict:
@@ -274,16 +269,16 @@ def expert_window(step: int, start: int, weights: list[int]) -> dict:
 
 def build_failed(run: Path, now: float) -> None:
     """A run that died at step 5 with an error and a traceback."""
-    logs = run / runlog.LOGS_DIR
+    logs = run / runfolder.LOGS_DIR
     t0 = now - 3600
     write_run_json(
         run,
         {"run_id": "failed-1", "started_at": t0, "status": "failed", "ended_at": t0 + 6, "total_steps": 10},
     )
-    append(logs / runlog.TRAINING_LOG, [train_record(s, t0 + s, 2.0, total=10) for s in range(1, 6)])
-    append(logs / runlog.EVENTS_LOG, [{"ts": t0, "event": "run_start", "step": None, "resumed": False}])
+    append(logs / runfolder.TRAINING_LOG, [train_record(s, t0 + s, 2.0, total=10) for s in range(1, 6)])
+    append(logs / runfolder.EVENTS_LOG, [{"ts": t0, "event": "run_start", "step": None, "resumed": False}])
     append(
-        logs / runlog.ERROR_LOG,
+        logs / runfolder.ERROR_LOG,
         [
             {
                 "ts": t0 + 6,
@@ -304,26 +299,27 @@ def build_log_root(base: Path, now: float | None = None) -> Path:
     build_demo(root / DEMO, now)
     build_failed(root / "failed", now - 10)
     # Logs that exist but are empty, and a run with only run.json.
-    empty_logs = root / "empty" / runlog.LOGS_DIR
+    empty_logs = root / "empty" / runfolder.LOGS_DIR
     empty_logs.mkdir(parents=True)
-    for name in runlog.LOG_FILES:
+    for name in runfolder.LOG_FILES:
         (empty_logs / name).write_bytes(b"")
     write_run_json(root / "bare", {"run_id": "bare", "started_at": now - 7200, "status": "running"})
     # Nothing but garbage: a broken run.json and logs full of junk.
     junk = root / "junk"
-    (junk / runlog.LOGS_DIR).mkdir(parents=True)
-    (junk / runlog.RUN_JSON).write_text("{not json")
-    for name in runlog.LOG_FILES:
-        (junk / runlog.LOGS_DIR / name).write_bytes(
+    (junk / runfolder.LOGS_DIR).mkdir(parents=True)
+    (junk / runfolder.RUN_JSON).write_text("{not json")
+    for name in runfolder.LOG_FILES:
+        (junk / runfolder.LOGS_DIR / name).write_bytes(
             b'[1,2]\n"text"\n{"step": "x"}\n\xff\xfe\n{{{{\n' + b"[" * 100000 + b"\n"
         )
     # A nested run (a sweep folder holding trials).
     append(
-        root / "sweep" / "lr-1e-4" / runlog.LOGS_DIR / runlog.TRAINING_LOG, [train_record(1, now - 7300, 2.5)]
+        root / "sweep" / "lr-1e-4" / runfolder.LOGS_DIR / runfolder.TRAINING_LOG,
+        [train_record(1, now - 7300, 2.5)],
     )
     # Outside the root: a run folder a symlink inside the root points at.
     secret = base / "secret"
-    append(secret / runlog.LOGS_DIR / runlog.TRAINING_LOG, [train_record(1, now, 9.99)])
+    append(secret / runfolder.LOGS_DIR / runfolder.TRAINING_LOG, [train_record(1, now, 9.99)])
     (secret / "passwords.txt").write_text("hunter2\n")
     (root / "escape").symlink_to(secret, target_is_directory=True)
     # Runs without started_at sort by folder time: keep them older than the demo run.
@@ -331,18 +327,3 @@ def build_log_root(base: Path, now: float | None = None) -> Path:
         for path in [root / folder, *(root / folder).rglob("*")]:
             os.utime(path, (now - 9000, now - 9000))
     return root
-
-
-@pytest.fixture
-def log_root(tmp_path: Path) -> Path:
-    return build_log_root(tmp_path)
-
-
-@pytest.fixture
-def app(log_root: Path):
-    return create_app(log_root, {"TESTING": True})
-
-
-@pytest.fixture
-def client(app):
-    return app.test_client()

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from dashboard import create_app
-from tests.dashboard_fixtures import *  # noqa: F403
-from tests.dashboard_fixtures import DEMO, LAST_STEP, NAN_STEP, TOTAL_STEPS, append, demo_loss, train_record
-from trainer import runlog
+from tests.dashboard.fixtures import DEMO, LAST_STEP, NAN_STEP, TOTAL_STEPS, append, demo_loss, train_record
+from trainer import runfolder
 
 ENDPOINTS = (
     "/api/stats",
@@ -61,7 +60,7 @@ def test_stats_of_the_demo_run(client):
     assert stats["elapsed_seconds"] == pytest.approx(60, abs=5)
     assert stats["last_checkpoint"]["name"] == "checkpoint-40"
     assert stats["error_count"] == 0 and stats["nonfinite_steps"] == 1 and stats["resumes"] == 1
-    assert stats["bad_lines"] == {runlog.TRAINING_LOG: 1}  # the garbage line (not the half-written one)
+    assert stats["bad_lines"] == {runfolder.TRAINING_LOG: 1}  # the garbage line (not the half-written one)
     named = get(client, f"/api/stats?run={DEMO}")
     assert {k: named[k] for k in ("run", "step", "loss", "best_eval")} == {
         k: stats[k] for k in ("run", "step", "loss", "best_eval")
@@ -80,9 +79,9 @@ def test_failed_run_reports_its_error(client):
 def write_running(root: Path, name: str, last_ts: float, interval: float = 1.0, **run_json) -> Path:
     run = root / name
     records = [train_record(s, last_ts - (10 - s) * interval, 1.0) for s in range(1, 11)]
-    append(run / runlog.LOGS_DIR / runlog.TRAINING_LOG, records)
-    runlog.write_json_atomic(
-        run / runlog.RUN_JSON, {"status": "running", "started_at": last_ts - 100, **run_json}
+    append(run / runfolder.LOGS_DIR / runfolder.TRAINING_LOG, records)
+    runfolder.write_json_atomic(
+        run / runfolder.RUN_JSON, {"status": "running", "started_at": last_ts - 100, **run_json}
     )
     return run
 
@@ -106,12 +105,12 @@ def test_status_from_run_end_event_and_errors(tmp_path: Path):
     now = time.time()
     ended = write_running(tmp_path, "ended", now - 5)
     append(
-        ended / runlog.LOGS_DIR / runlog.EVENTS_LOG,
+        ended / runfolder.LOGS_DIR / runfolder.EVENTS_LOG,
         [{"ts": now, "event": "run_end", "step": 10, "status": "interrupted"}],
     )
     crashed = write_running(tmp_path, "crashed", now - 5)
     append(
-        crashed / runlog.LOGS_DIR / runlog.ERROR_LOG,
+        crashed / runfolder.LOGS_DIR / runfolder.ERROR_LOG,
         [{"ts": now, "step": 10, "type": "ValueError", "message": "x", "traceback": ""}],
     )
     client = create_app(tmp_path).test_client()
@@ -122,8 +121,8 @@ def test_status_from_run_end_event_and_errors(tmp_path: Path):
 def test_metrics_series_follow_the_contract(client, log_root: Path):
     result = get(client, "/api/metrics?field=loss&max_points=0")
     points = result["series"]["loss"]["points"]
-    expected = runlog.last_per_step(
-        list(runlog.iter_records(log_root / DEMO / runlog.LOGS_DIR / runlog.TRAINING_LOG))
+    expected = runfolder.last_per_step(
+        list(runfolder.iter_records(log_root / DEMO / runfolder.LOGS_DIR / runfolder.TRAINING_LOG))
     )
     assert [p[1] for p in points] == [r["step"] for r in expected] == list(range(1, LAST_STEP + 1))
     assert [p[2] for p in points] == [r["loss"] for r in expected]
@@ -170,7 +169,7 @@ def test_new_records_are_read_incrementally(client, log_root: Path, monkeypatch)
 
     original = reader.parse_lines
     monkeypatch.setattr(reader, "parse_lines", lambda lines: parsed.append(len(lines)) or original(lines))
-    log = log_root / DEMO / runlog.LOGS_DIR / runlog.TRAINING_LOG
+    log = log_root / DEMO / runfolder.LOGS_DIR / runfolder.TRAINING_LOG
     # The half-written step 41 is completed, then step 42 arrives.
     with open(log, "ab") as handle:
         handle.write(b'ss": 0.5}\n')
@@ -204,11 +203,11 @@ def test_evals_and_checkpoints(client):
 
 def test_checkpoint_folders_without_events(tmp_path: Path):
     run = tmp_path / "run"
-    append(run / runlog.LOGS_DIR / runlog.TRAINING_LOG, [train_record(1, time.time(), 1.0)])
+    append(run / runfolder.LOGS_DIR / runfolder.TRAINING_LOG, [train_record(1, time.time(), 1.0)])
     folder = run / "checkpoint-7"
     folder.mkdir()
     (folder / "adapter_model.safetensors").write_bytes(b"x" * 1234)
-    (folder / runlog.TRAINER_STATE).write_text(
+    (folder / runfolder.TRAINER_STATE).write_text(
         json.dumps({"step": 7, "metric": "eval_loss", "metric_value": 0.5, "ts": 123.0})
     )
     (run / "final-checkpoint-9").mkdir()
@@ -343,18 +342,18 @@ def test_empty_log_root(tmp_path: Path):
 
 
 WEIRD = {
-    runlog.TRAINING_LOG: [
+    runfolder.TRAINING_LOG: [
         {"step": 1, "ts": "yesterday", "loss": "low", "lr": [1], "tokens": 10**400, "total_steps": "many"},
         {"step": -5, "loss": 1.0},
         {"step": 2.0, "loss": 1.0},
         {"step": 3, "ts": None, "loss": None, "nonfinite": "loss", "epoch": True, "skipped": "yes"},
         {"step": 4, "ts": 1e308, "loss": -1e308, "total_steps": 0},
     ],
-    runlog.EVAL_LOG: [
+    runfolder.EVAL_LOG: [
         {"step": 1, "eval_loss": "x", "metrics": [1, 2], "task": 7, "is_best": "yes"},
         {"step": 2, "eval_loss": None, "metrics": {"acc": "high", "f1": None}},
     ],
-    runlog.EVENTS_LOG: [
+    runfolder.EVENTS_LOG: [
         {"event": "checkpoint_saved", "step": "ten", "path": 42, "size_bytes": "big", "metric_value": "x"},
         {"event": "checkpoint_pruned", "path": None},
         {"event": "best_updated", "step": None, "path": ["a"]},
@@ -362,12 +361,12 @@ WEIRD = {
         {"event": "run_end", "status": 3},
         {"event": 5},
     ],
-    runlog.ERROR_LOG: [{"type": "E", "step": "s", "ts": "t", "message": None, "traceback": 5}],
-    runlog.GPU_LOG: [
+    runfolder.ERROR_LOG: [{"type": "E", "step": "s", "ts": "t", "message": None, "traceback": 5}],
+    runfolder.GPU_LOG: [
         {"device": 0, "host": "h"},
         {"device": "cuda:0", "host": None, "util_pct": "busy", "ts": "now"},
     ],
-    runlog.EXPERT_LOG: [
+    runfolder.EXPERT_LOG: [
         {"step": 1, "layers": [1, 2]},
         {"step": 2, "layers": [{"counts": ["a", -3, None, 1e400, 5]}], "num_experts": "many"},
         {"step": 3, "start_step": "x", "layers": [{"layer": "first", "counts": []}, {"counts": [1, 2]}]},
@@ -378,12 +377,12 @@ WEIRD = {
 def test_weird_but_valid_records_never_500(tmp_path: Path):
     run = tmp_path / "weird"
     for name, records in WEIRD.items():
-        log = run / runlog.LOGS_DIR / name
+        log = run / runfolder.LOGS_DIR / name
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text("".join(json.dumps(r) + "\n" for r in records) + "NaN\n[]\n")
-    (run / runlog.RUN_JSON).write_text('["not", "an", "object"]')
+    (run / runfolder.RUN_JSON).write_text('["not", "an", "object"]')
     (run / "checkpoint-3").mkdir()
-    (run / "checkpoint-3" / runlog.TRAINER_STATE).write_text('{"ts": "soon", "metric_value": "x"}')
+    (run / "checkpoint-3" / runfolder.TRAINER_STATE).write_text('{"ts": "soon", "metric_value": "x"}')
     client = create_app(tmp_path).test_client()
     urls = [*ENDPOINTS, "/api/runs", "/", "/api/experts?window=all", "/api/metrics?log=eval&field=metrics.f1"]
     urls += [f"/api/plots/{name}.png?log=1" for name in ("loss", "lr", "gpu_util", "experts")]
@@ -392,4 +391,4 @@ def test_weird_but_valid_records_never_500(tmp_path: Path):
         response = client.get(url)
         assert response.status_code == 200, (url, response.get_data(as_text=True)[:300])
     stats = client.get("/api/stats").get_json()
-    assert stats["step"] == 4 and stats["bad_lines"][runlog.TRAINING_LOG] == 4  # two bad steps, NaN, []
+    assert stats["step"] == 4 and stats["bad_lines"][runfolder.TRAINING_LOG] == 4  # two bad steps, NaN, []

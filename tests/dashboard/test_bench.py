@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 
 
 def test_benchmark_small_run_writes_its_section(tmp_path: Path):

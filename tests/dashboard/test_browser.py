@@ -18,12 +18,12 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 from werkzeug.serving import make_server
 
 from dashboard import create_app
-from tests.dashboard_fixtures import DEMO, append, build_log_root, train_record
-from trainer import runlog
+from tests.dashboard.fixtures import DEMO, append, build_log_root, train_record
+from tests.helpers import REPO
+from trainer import runfolder
 
 pytestmark = pytest.mark.browser
 
-REPO = Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 TOKEN = "browser-token"
@@ -85,8 +85,8 @@ def save(driver, name: str) -> Path:
 
 
 def test_page_fills_plots_load_and_updates_in_place(browser, served):
-    log = served["root"] / DEMO / runlog.LOGS_DIR / runlog.TRAINING_LOG
-    last_step = runlog.last_per_step(list(runlog.iter_records(log)))[-1]["step"]
+    log = served["root"] / DEMO / runfolder.LOGS_DIR / runfolder.TRAINING_LOG
+    last_step = runfolder.last_per_step(list(runfolder.iter_records(log)))[-1]["step"]
     browser.get(f"{served['url']}/?token={TOKEN}&interval=0.5")
     wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1")
     assert text_of(browser, "step") == str(last_step)
@@ -160,7 +160,7 @@ def test_empty_root_page_fills_once_a_run_appears(browser, tmp_path: Path):
         browser.get(f"http://127.0.0.1:{server.server_port}/?interval=0.5")
         assert "No runs under" in browser.find_element(By.ID, "empty-root").text
         append(
-            root / "fresh" / runlog.LOGS_DIR / runlog.TRAINING_LOG,
+            root / "fresh" / runfolder.LOGS_DIR / runfolder.TRAINING_LOG,
             [train_record(s, time.time(), 1.0) for s in (1, 2, 3)],
         )
         wait(browser, lambda d: text_of(d, "step") == "3", message="the new run did not show up")

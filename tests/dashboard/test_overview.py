@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from dashboard import create_app
-from trainer import runlog
+from trainer import runfolder
 
 
 def write_run(folder: Path, status: str, steps: tuple[int, int], evals: list[dict], task: str | None = None):
     now = time.time()
-    runlog.write_json_atomic(
-        (folder.mkdir(parents=True) or folder) / runlog.RUN_JSON,
+    runfolder.write_json_atomic(
+        (folder.mkdir(parents=True) or folder) / runfolder.RUN_JSON,
         {
             "run_id": folder.name,
             "status": status,
@@ -24,20 +24,20 @@ def write_run(folder: Path, status: str, steps: tuple[int, int], evals: list[dic
             "total_steps": steps[1],
         },
     )
-    logs = folder / runlog.LOGS_DIR
+    logs = folder / runfolder.LOGS_DIR
     logs.mkdir()
     step, total = steps
     train = [
         {"ts": now - (step - s), "step": s, "total_steps": total, "loss": 2.0} for s in range(1, step + 1)
     ]
-    (logs / runlog.TRAINING_LOG).write_text("".join(runlog.encode_record(r) for r in train))
+    (logs / runfolder.TRAINING_LOG).write_text("".join(runfolder.encode_record(r) for r in train))
     records = []
     for e in evals:
         record = {"ts": now, "step": e["step"], "eval_loss": e.get("eval_loss", 1.0)}
         if "accuracy" in e:
             record.update(metrics={"accuracy": e["accuracy"]}, task=task)
-        records.append(runlog.encode_record(record))
-    (logs / runlog.EVAL_LOG).write_text("".join(records))
+        records.append(runfolder.encode_record(record))
+    (logs / runfolder.EVAL_LOG).write_text("".join(records))
 
 
 @pytest.fixture

@@ -16,11 +16,9 @@ from pathlib import Path
 import pytest
 
 from dashboard.__main__ import parse_args
-from tests.dashboard_fixtures import *  # noqa: F403
-from tests.dashboard_fixtures import DEMO, LAST_STEP
+from tests.dashboard.fixtures import DEMO, LAST_STEP
+from tests.helpers import REPO
 from trainer.runfolder.plots import PLOT_NAMES
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def initial_data(html: str) -> dict:

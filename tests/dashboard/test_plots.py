@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.dashboard_fixtures import *  # noqa: F403
-from tests.dashboard_fixtures import DEMO, NAN_STEP, RESUME_STEP, append, train_record
-from trainer import runlog
+from tests.dashboard.fixtures import DEMO, NAN_STEP, RESUME_STEP, append, train_record
+from trainer import runfolder
 from trainer.runfolder.plots import PLOT_NAMES, PlotOptions, figure, write_report
 from trainer.runfolder.rundata import RunData
 from trainer.runfolder.series import ema, moving_average
@@ -104,7 +103,7 @@ def test_pngs_are_cached_until_new_data(client, app, log_root: Path):
     assert (
         client.get("/api/plots/loss.png", headers={"If-None-Match": first.headers["ETag"]}).status_code == 304
     )
-    log = log_root / DEMO / runlog.LOGS_DIR / runlog.TRAINING_LOG
+    log = log_root / DEMO / runfolder.LOGS_DIR / runfolder.TRAINING_LOG
     with open(log, "ab") as handle:
         handle.write(b"\n")  # ends the half-written line (it becomes a garbage line)
     append(log, [train_record(41, time.time(), 0.1)])

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.dashboard_fixtures import append, train_record
-from trainer import runlog
+from tests.dashboard.fixtures import append, train_record
+from trainer import runfolder
 from trainer.runfolder.columns import StepTable
 from trainer.runfolder.reader import LogTail, parse_lines, tail_records
 from trainer.runfolder.rundata import RunData
@@ -35,7 +35,7 @@ def test_tail_reads_only_appended_bytes(tmp_path: Path):
 
 def test_half_written_line_waits_until_finished(tmp_path: Path):
     log = tmp_path / "training_log.jsonl"
-    line = runlog.encode_record(train_record(2, 102.0, 1.5)).encode()
+    line = runfolder.encode_record(train_record(2, 102.0, 1.5)).encode()
     append(log, [train_record(1, 101.0, 1.0)], raw_tail=line[:17])
     tail = LogTail(log, tmp_path)
     assert [r["step"] for r in read_all(tail)] == [1]
@@ -105,7 +105,7 @@ def test_step_table_last_record_per_step_wins():
         {"step": s, "loss": v}
         for s, v in [(1, 1.0), (2, 2.0), (3, 3.0), (2, 20.0), (3, 30.0), (5, 5.0), (4, 4.0)]
     ]
-    assert [r["loss"] for r in runlog.last_per_step(records)] == list(table.columns["loss"])
+    assert [r["loss"] for r in runfolder.last_per_step(records)] == list(table.columns["loss"])
 
 
 def test_step_table_unknown_fields_nulls_and_text():
@@ -124,7 +124,7 @@ def test_step_table_unknown_fields_nulls_and_text():
 
 def test_run_data_resume_replay_and_current_position(tmp_path: Path):
     run = tmp_path / "run"
-    log = run / runlog.LOGS_DIR / runlog.TRAINING_LOG
+    log = run / runfolder.LOGS_DIR / runfolder.TRAINING_LOG
     append(log, [train_record(s, float(s), 1.0) for s in range(1, 11)])
     append(log, [train_record(s, 20.0 + s, 2.0) for s in range(6, 8)])  # resumed from step 5
     data = RunData("run", run, tmp_path)
@@ -140,7 +140,8 @@ def test_run_data_resume_replay_and_current_position(tmp_path: Path):
 def test_run_data_keeps_parsed_numbers_compact(tmp_path: Path):
     run = tmp_path / "run"
     append(
-        run / runlog.LOGS_DIR / runlog.TRAINING_LOG, [train_record(s, float(s), 1.0) for s in range(1, 5001)]
+        run / runfolder.LOGS_DIR / runfolder.TRAINING_LOG,
+        [train_record(s, float(s), 1.0) for s in range(1, 5001)],
     )
     data = RunData("run", run, tmp_path)
     data.refresh()
@@ -153,8 +154,8 @@ def test_symlinked_log_leaving_the_root_is_not_read(tmp_path: Path):
     outside = tmp_path / "outside.jsonl"
     append(outside, [train_record(1, 1.0, 9.0)])
     root = tmp_path / "root"
-    (root / "run" / runlog.LOGS_DIR).mkdir(parents=True)
-    os.symlink(outside, root / "run" / runlog.LOGS_DIR / runlog.TRAINING_LOG)
+    (root / "run" / runfolder.LOGS_DIR).mkdir(parents=True)
+    os.symlink(outside, root / "run" / runfolder.LOGS_DIR / runfolder.TRAINING_LOG)
     data = RunData("run", root / "run", root)
     data.refresh()
     assert data.train.table.rows == 0

@@ -1,7 +1,7 @@
 """The dashboard over a run folder written by the real trainer (``trained_run``, from conftest).
 
 Every number is checked against the logs themselves, read with the contract's reference reader
-(``runlog.iter_records`` + ``runlog.last_per_step``), so a change on either side shows up here.
+(``runfolder.iter_records`` + ``runfolder.last_per_step``), so a change on either side shows up here.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from dashboard import create_app
-from trainer import runlog
+from trainer import runfolder
 from trainer.runfolder.plots import PLOT_NAMES
 
 
 def log(run: Path, name: str) -> list[dict]:
-    return list(runlog.iter_records(run / runlog.LOGS_DIR / name))
+    return list(runfolder.iter_records(run / runfolder.LOGS_DIR / name))
 
 
 @pytest.fixture(scope="module")
@@ -35,31 +35,31 @@ def test_run_is_listed_and_finished(real, trained_run: Path):
     runs = ok(real, "/api/runs")
     assert runs["latest"] == trained_run.name
     entry = next(r for r in runs["runs"] if r["name"] == trained_run.name)
-    assert entry["status"] == runlog.read_run_json(trained_run)["status"] == "finished"
+    assert entry["status"] == runfolder.read_run_json(trained_run)["status"] == "finished"
 
 
 def test_stats_match_the_logs(real, trained_run: Path):
-    train = runlog.last_per_step(log(trained_run, runlog.TRAINING_LOG))
+    train = runfolder.last_per_step(log(trained_run, runfolder.TRAINING_LOG))
     stats = ok(real, f"/api/stats?run={trained_run.name}")
-    assert stats["step"] == train[-1]["step"] == runlog.read_run_json(trained_run)["step"]
+    assert stats["step"] == train[-1]["step"] == runfolder.read_run_json(trained_run)["step"]
     assert stats["total_steps"] == train[-1]["total_steps"] and stats["progress"] == 1.0
     assert stats["loss"] == pytest.approx(train[-1]["loss"])
     assert stats["lr"] == pytest.approx(train[-1]["lr"])
     assert stats["tokens_per_sec"] == pytest.approx(train[-1]["tokens_per_sec"])
-    assert stats["error_count"] == len(log(trained_run, runlog.ERROR_LOG)) == 0
+    assert stats["error_count"] == len(log(trained_run, runfolder.ERROR_LOG)) == 0
     assert stats["bad_lines"] == {}
-    evals = log(trained_run, runlog.EVAL_LOG)
+    evals = log(trained_run, runfolder.EVAL_LOG)
     best = [e for e in evals if e.get("is_best")][-1]
     assert stats["best_eval"]["step"] == best["step"] and stats["best_eval"]["eval_loss"] == pytest.approx(
         best["eval_loss"]
     )
     assert stats["last_checkpoint"]["step"] == max(
-        runlog.checkpoint_step(p.name) or 0 for p in trained_run.iterdir()
+        runfolder.checkpoint_step(p.name) or 0 for p in trained_run.iterdir()
     )
 
 
 def test_metrics_are_the_training_log(real, trained_run: Path):
-    train = runlog.last_per_step(log(trained_run, runlog.TRAINING_LOG))
+    train = runfolder.last_per_step(log(trained_run, runfolder.TRAINING_LOG))
     series = ok(real, f"/api/metrics?run={trained_run.name}&field=loss,lr,grad_norm&max_points=0")["series"]
     for field in ("loss", "lr", "grad_norm"):
         assert [p[1] for p in series[field]["points"]] == [r["step"] for r in train]
@@ -71,17 +71,17 @@ def test_metrics_are_the_training_log(real, trained_run: Path):
 def test_evals(real, trained_run: Path):
     evals = ok(real, f"/api/evals?run={trained_run.name}")
     assert [e["step"] for e in evals["evals"]] == [
-        e["step"] for e in runlog.last_per_step(log(trained_run, runlog.EVAL_LOG))
+        e["step"] for e in runfolder.last_per_step(log(trained_run, runfolder.EVAL_LOG))
     ]
 
 
 def test_checkpoints_match_disk_and_events(real, trained_run: Path):
     table = ok(real, f"/api/checkpoints?run={trained_run.name}")
     on_disk = {
-        p.name for p in trained_run.iterdir() if p.is_dir() and runlog.checkpoint_step(p.name) is not None
+        p.name for p in trained_run.iterdir() if p.is_dir() and runfolder.checkpoint_step(p.name) is not None
     }
     assert {r["name"] for r in table["checkpoints"] if r["on_disk"]} == on_disk
-    events = log(trained_run, runlog.EVENTS_LOG)
+    events = log(trained_run, runfolder.EVENTS_LOG)
     saved = {Path(e["path"]).name for e in events if e["event"] == "checkpoint_saved"}
     assert saved <= {r["name"] for r in table["checkpoints"]}
     pruned_rows = {r["name"] for r in table["checkpoints"] if r["pruned"]}
@@ -103,7 +103,7 @@ def test_events_include_the_lifecycle(real, trained_run: Path):
 
 
 def test_expert_usage_matches_the_log(real, trained_run: Path):
-    windows = runlog.last_per_step(log(trained_run, runlog.EXPERT_LOG))
+    windows = runfolder.last_per_step(log(trained_run, runfolder.EXPERT_LOG))
     assert windows, "the default run is a mixture-of-experts model: it must log expert usage"
     latest = ok(real, f"/api/experts?run={trained_run.name}")
     assert [layer["counts"] for layer in latest["layers"]] == [
@@ -119,7 +119,7 @@ def test_expert_usage_matches_the_log(real, trained_run: Path):
 
 
 def test_gpu_telemetry(real, trained_run: Path):
-    samples = log(trained_run, runlog.GPU_LOG)
+    samples = log(trained_run, runfolder.GPU_LOG)
     result = ok(real, f"/api/gpu?run={trained_run.name}")
     assert {(d["host"], d["device"]) for d in result["devices"]} == {
         (s["host"], s["device"]) for s in samples
@@ -133,7 +133,7 @@ def test_plots_render(real, trained_run: Path, name: str):
 
 
 def test_page_and_prometheus(real, trained_run: Path):
-    step = runlog.last_per_step(log(trained_run, runlog.TRAINING_LOG))[-1]["step"]
+    step = runfolder.last_per_step(log(trained_run, runfolder.TRAINING_LOG))[-1]["step"]
     html = ok(real, f"/?run={trained_run.name}").get_data(as_text=True)
     assert f'<strong data-stat="step">{step:,}</strong>' in html
     text = ok(real, f"/metrics?run={trained_run.name}").get_data(as_text=True)

@@ -14,10 +14,8 @@ import pytest
 
 from dashboard import create_app
 from dashboard.__main__ import banner, gunicorn_command, parse_args
-from tests.dashboard_fixtures import *  # noqa: F403
-from tests.dashboard_fixtures import DEMO
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.dashboard.fixtures import DEMO
+from tests.helpers import REPO
 
 
 def attack_names(base: Path) -> list[str]:

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from tests.helpers import REPO, run_trainer
 from trainer.config import DataConfig, PathsConfig
-from trainer.data import (
+from trainer.data.dataset import (
     IGNORE,
     DataError,
     DataReport,

@@ -209,7 +209,7 @@ def test_prepare_corpus_output_is_read_by_the_trainer_data_pipeline(tmp_path):
     from transformers import AutoTokenizer
 
     from trainer.config import DataConfig, PathsConfig
-    from trainer.data import prepare_data
+    from trainer.data.dataset import prepare_data
 
     source = make_folder(tmp_path)
     out = tmp_path / "data.jsonl"

@@ -15,8 +15,8 @@ import yaml
 from tests.helpers import REPO, TINY, deep_merge, run_trainer
 from trainer.cli import main
 from trainer.config import Config, DataConfig, ModelConfig, PathsConfig
-from trainer.data import DataReport, build_sequences, read_records, tokenize_record
-from trainer.length_report import (
+from trainer.data.dataset import DataReport, build_sequences, read_records, tokenize_record
+from trainer.data.length_report import (
     REPORT_JSON,
     REPORT_MD,
     analyze,
@@ -180,7 +180,7 @@ def test_written_json_and_markdown(tmp_path):
 
 def test_real_tokenizer_agrees_with_the_training_data_path(tmp_path):
     """The loss counted here equals what data.build_sequences reports for the same records."""
-    from trainer.modeling import load_tokenizer
+    from trainer.model.loading import load_tokenizer
 
     cfg = Config(
         paths=PathsConfig(train_file=str(REPO / "data" / "tiny_corpus.jsonl")),

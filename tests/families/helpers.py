@@ -11,9 +11,9 @@ import torch
 import yaml
 
 from tests.helpers import REPO, start_trainer, wait_for
-from trainer import runlog
+from trainer import runfolder
 from trainer.config import load_config
-from trainer.runlog import iter_records, last_per_step
+from trainer.runfolder import iter_records, last_per_step
 
 
 def small_corpus(folder) -> str:
@@ -52,12 +52,12 @@ def family_config(folder, model: str, targets: list[str], extra: dict | None = N
 
 def losses(run) -> dict[int, float]:
     return {
-        r["step"]: r["loss"] for r in last_per_step(list(iter_records(run / "logs" / runlog.TRAINING_LOG)))
+        r["step"]: r["loss"] for r in last_per_step(list(iter_records(run / "logs" / runfolder.TRAINING_LOG)))
     }
 
 
 def events(run, name: str) -> list[dict]:
-    return [e for e in iter_records(run / "logs" / runlog.EVENTS_LOG) if e["event"] == name]
+    return [e for e in iter_records(run / "logs" / runfolder.EVENTS_LOG) if e["event"] == name]
 
 
 def cli(*args: str) -> int:
@@ -88,7 +88,7 @@ def assert_resumed_exactly(run, reference: dict[int, float]) -> None:
     for step, loss in reference.items():
         assert abs(resumed[step] - loss) < 1e-6, (step, resumed[step], loss)
     assert len(events(run, "resume")) == 1
-    assert json.loads((run / runlog.RUN_JSON).read_text())["status"] == "finished"
+    assert json.loads((run / runfolder.RUN_JSON).read_text())["status"] == "finished"
 
 
 def train_in_process(config_path) -> dict[int, float]:
@@ -145,7 +145,7 @@ VARIANTS = [
 
 def random_batch(packing: bool, width: int = 32, seed: int = 0) -> dict:
     """Documents of random tokens: packed into full rows, or one per row with padding (packing off)."""
-    from trainer.data import Sequence, collate, pack
+    from trainer.data.dataset import Sequence, collate, pack
 
     gen = torch.Generator().manual_seed(seed)
     docs = [torch.randint(4, 1000, (n,), generator=gen).tolist() for n in (13, 27, 9, 20)]
@@ -174,7 +174,7 @@ def train_steps(model, batch: dict, steps: int = 3, lr: float = 1e-2) -> list[fl
 
 def check_example_yaml_runs(tmp_path, name: str) -> None:
     """configs/<name>.yaml trains two steps from the repository root, as the README runs it."""
-    from trainer.loop import train
+    from trainer.training.loop import train
 
     overrides = [
         f"paths.output_dir={tmp_path / 'run'}",
@@ -209,7 +209,7 @@ def check_qlora_gradients(model, batch: dict, expected_tensors: int, every_one_n
 
 def check_variant_trains(folder, model_name: str, targets: list[str], variant: str, init: str, method="lora"):
     """load_for_training with this variant, then a few steps: the adapter is the variant asked for, and learns."""
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
 
     extra = {"training": {"method": method}, "lora": {"variant": variant, "init": init, "dropout": 0.0}}
     cfg = load_config(family_config(folder, model_name, targets, extra, output=f"{variant}-{init}"))

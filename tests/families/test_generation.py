@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from tests.helpers import REPO, run_trainer
-from tests.test_task_eval import write_sst2
-from trainer import runlog
+from tests.tasks.test_task_eval import write_sst2
+from trainer import runfolder
 from trainer.config import load_config
-from trainer.generation import generate_texts
-from trainer.modeling import load_for_training
-from trainer.runlog import iter_records
+from trainer.model.loading import load_for_training
+from trainer.runfolder import iter_records
+from trainer.tasks.generation import generate_texts
 
 FAMILIES = {
     "gla": "configs/tiny-gla.yaml",
@@ -47,7 +47,7 @@ def test_task_evaluation_during_training(family, tmp_path):
         "--set", "data.max_length=64", "--set", "logging.progress_bar=false",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    record = list(iter_records(run / "logs" / runlog.EVAL_LOG))[-1]
+    record = list(iter_records(run / "logs" / runfolder.EVAL_LOG))[-1]
     assert record["task"] == "sst2" and record["metrics"]["n"] == 8
     assert 0.0 <= record["metrics"]["accuracy"] <= 1.0
     assert all(isinstance(s["prediction"], str) for s in record["samples"])

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.families_fixtures import (
+from tests.families.helpers import (
     VARIANTS,
     adapter_tensors,
     assert_resumed_exactly,
@@ -24,7 +24,7 @@ from tests.families_fixtures import (
 )
 from tests.helpers import REPO
 from trainer.config import load_config
-from trainer.data import collate, pack
+from trainer.data.dataset import collate, pack
 
 pytest.importorskip(
     "fla.models", reason="the gla family needs flash-linear-attention (pip install -e .[gla])"
@@ -55,7 +55,7 @@ def test_gla_trains_through_the_cli_and_resumes_exactly(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def gla_model(tmp_path_factory):
     """The tiny GLA, random weights, as load_for_training builds it on this (CUDA-less) machine."""
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
 
     folder = tmp_path_factory.mktemp("gla")
     cfg = load_config(family_config(folder, "tiny-gla", TARGETS, {"training": {"method": "full"}}))
@@ -100,7 +100,7 @@ def test_gla_packed_documents_do_not_see_each_other(gla_model):
     assert (leaky[span] - alone).abs().max() > 1e-3
 
     # Without packing, rows are padded and masked: B in a batch with a longer A gives B's logits too.
-    from trainer.data import Sequence
+    from trainer.data.dataset import Sequence
     from trainer.families import family_inputs
 
     rows = [Sequence(d, d, list(range(len(d)))) for d in (doc_a + other_a, doc_b)]
@@ -168,7 +168,7 @@ def test_gla_dora_on_4bit_layers_trains(tmp_path):
 def test_gla_qlora_quantizes_every_linear_and_keeps_gradients_right(tmp_path):
     import bitsandbytes as bnb
 
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
 
     config = family_config(
         tmp_path, "tiny-gla", TARGETS[:-1], {"training": {"method": "qlora"}, "lora": {"dropout": 0.0}}
@@ -198,9 +198,9 @@ def test_gla_qlora_quantizes_every_linear_and_keeps_gradients_right(tmp_path):
 
 
 def test_gla_pissa_on_4bit_is_exit_2_before_loading(tmp_path, capsys, monkeypatch):
-    from trainer import modeling
+    from trainer.model import loading
 
-    monkeypatch.setattr(modeling, "load_base_model", lambda *a, **k: pytest.fail("weights loaded first"))
+    monkeypatch.setattr(loading, "load_base_model", lambda *a, **k: pytest.fail("weights loaded first"))
     config = family_config(
         tmp_path, "tiny-gla", TARGETS, {"training": {"method": "qlora"}, "lora": {"init": "pissa"}}
     )

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.families_fixtures import (
+from tests.families.helpers import (
     VARIANTS,
     assert_resumed_exactly,
     check_example_yaml_runs,
@@ -25,7 +25,7 @@ from tests.families_fixtures import (
 )
 from tests.helpers import REPO
 from trainer.config import load_config
-from trainer.data import Sequence, collate
+from trainer.data.dataset import Sequence, collate
 from trainer.families import mamba as mamba_family
 
 MODELS = {
@@ -60,7 +60,7 @@ def test_mamba_trains_through_the_cli_and_resumes_exactly(tmp_path, capsys, mode
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def mamba_model(request, tmp_path_factory):
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
 
     folder = tmp_path_factory.mktemp(request.param)
     cfg = load_config(family_config(folder, request.param, ["in_proj"], {"training": {"method": "full"}}))
@@ -69,7 +69,7 @@ def mamba_model(request, tmp_path_factory):
 
 
 def test_mamba_rows_hold_one_document_and_padding_does_not_leak(mamba_model):
-    from trainer.data import prepare_data
+    from trainer.data.dataset import prepare_data
     from trainer.families import family_for, family_inputs
 
     model, tokenizer, cfg = mamba_model
@@ -164,7 +164,7 @@ def test_mamba_dora_on_4bit_layers_trains(tmp_path, model):
 def test_mamba_qlora_keeps_directly_read_weights_unquantized_and_gradients_right(tmp_path, model):
     import bitsandbytes as bnb
 
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
 
     targets = MODELS[model]["targets"][:-1]
     extra = {"training": {"method": "qlora"}, "lora": {"dropout": 0.0}}
@@ -192,9 +192,9 @@ def test_mamba_qlora_keeps_directly_read_weights_unquantized_and_gradients_right
 
 
 def test_mamba_out_proj_target_is_exit_2_before_loading(tmp_path, capsys, monkeypatch):
-    from trainer import modeling
+    from trainer.model import loading
 
-    monkeypatch.setattr(modeling, "load_base_model", lambda *a, **k: pytest.fail("weights loaded first"))
+    monkeypatch.setattr(loading, "load_base_model", lambda *a, **k: pytest.fail("weights loaded first"))
     config = family_config(tmp_path, "tiny-mamba2", ["in_proj", "out_proj"])
     assert cli("train", "--config", str(config)) == 2
     assert error_line(capsys.readouterr().err).startswith(
@@ -222,16 +222,16 @@ def test_mamba_out_proj_target_is_exit_2_before_loading(tmp_path, capsys, monkey
 def test_mamba_lora_settings_it_cannot_train_are_refused_before_loading(
     tmp_path, monkeypatch, model, extra, message
 ):
-    from trainer import modeling
     from trainer.families import ModelLoadError
+    from trainer.model import loading
 
     def no_loading(*args, **kwargs):
         raise AssertionError("weights were loaded before the LoRA settings were checked")
 
-    monkeypatch.setattr(modeling, "load_base_model", no_loading)
+    monkeypatch.setattr(loading, "load_base_model", no_loading)
     cfg = load_config(family_config(tmp_path, model, MODELS[model]["targets"], extra))
     with pytest.raises(ModelLoadError, match=message):
-        modeling.load_for_training(cfg, torch.device("cpu"))
+        loading.load_for_training(cfg, torch.device("cpu"))
 
 
 def test_kernel_path_follows_what_is_installed(monkeypatch, capsys):
@@ -359,7 +359,7 @@ def test_reference_kernels_restore_transformers_pytorch_code(monkeypatch, model_
 def test_unset_targets_take_the_family_defaults_for_this_kernel_path(tmp_path, model, expected):
     """lora.target_modules unset: the loaded model gets LoRA where the family's defaults say (off the
     mamba_ssm path Mamba-1 also takes x_proj), and nowhere else."""
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
 
     cfg = load_config(family_config(tmp_path, model, None))
     peft_model = load_for_training(cfg, torch.device("cpu")).model

@@ -11,7 +11,7 @@ import torch
 from tests.helpers import REPO, run_trainer
 from trainer.config import load_config
 from trainer.families import ModelLoadError, family_for
-from trainer.modeling import load_for_training
+from trainer.model.loading import load_for_training
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers import REPO, run_trainer
 from trainer.config import load_config
-from trainer.data import collate, pack
+from trainer.data.dataset import collate, pack
 from trainer.training.step import forward_loss
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -47,7 +47,7 @@ def lora_gradients(model, batch):
 
 
 def test_nf4_layers_and_gradients_after_evaluation_match(write_config):
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
 
     cfg = qlora_config(write_config)
     model = load_for_training(cfg, torch.device("cpu")).model
@@ -123,7 +123,7 @@ def test_quantized_experts_compute_with_dequantized_weights():
     import bitsandbytes.functional as bnbf
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.moe_quant import QuantizedExpertWeights, quantize_fused_experts
+    from trainer.model.moe_quant import QuantizedExpertWeights, quantize_fused_experts
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "configs" / "tiny-moe"))

@@ -25,7 +25,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def load(write_config, method: str, **lora):
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
 
     lora_cfg = {"dropout": 0.0, "target_modules": ALL_LINEAR, **lora}
     cfg = load_config(

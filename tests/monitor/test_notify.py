@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import wait_for
 from trainer.config import NotifyConfig
-from trainer.notify import Notifier
+from trainer.monitor.notify import Notifier
 
 
 class Receiver:
@@ -131,11 +131,11 @@ def test_hanging_server_costs_at_most_the_timeout(capsys):
 
 def test_email_channel_is_called_lazily_beside_the_webhook(receiver, tmp_path, monkeypatch):
     calls = []
-    fake = types.ModuleType("trainer.notify_email")
+    fake = types.ModuleType("trainer.monitor.notify_email")
     fake.send_email_notification = lambda path, event, info, timeout: (
         calls.append((path, event, info, timeout)) or True
     )
-    monkeypatch.setitem(sys.modules, "trainer.notify_email", fake)
+    monkeypatch.setitem(sys.modules, "trainer.monitor.notify_email", fake)
     settings = tmp_path / "email.yaml"
     settings.write_text("to: me@example.org\n")
     cfg = NotifyConfig(webhook_url=receiver.url, email_config=str(settings), timeout_seconds=3)
@@ -150,17 +150,17 @@ def test_missing_or_failing_email_module_never_raises(tmp_path, monkeypatch, cap
     settings = tmp_path / "email.yaml"
     settings.write_text("to: me@example.org\n")
     cfg = NotifyConfig(email_config=str(settings), timeout_seconds=1)
-    monkeypatch.setitem(sys.modules, "trainer.notify_email", None)  # import fails
+    monkeypatch.setitem(sys.modules, "trainer.monitor.notify_email", None)  # import fails
     assert Notifier(cfg, run_name="demo").notify("start", {}) is False
     assert "notify_email.py is missing" in capsys.readouterr().err
 
-    broken = types.ModuleType("trainer.notify_email")
+    broken = types.ModuleType("trainer.monitor.notify_email")
 
     def explode(*args):
         raise OSError("SMTP server said no")
 
     broken.send_email_notification = explode
-    monkeypatch.setitem(sys.modules, "trainer.notify_email", broken)
+    monkeypatch.setitem(sys.modules, "trainer.monitor.notify_email", broken)
     assert Notifier(cfg, run_name="demo").notify("start", {}) is False
     assert "SMTP server said no" in capsys.readouterr().err
 
@@ -241,7 +241,7 @@ class FakeSmtp:
 
 
 def test_real_email_module_gets_the_event(receiver, tmp_path):
-    """With trainer/notify_email.py present, one Notifier drives both channels."""
+    """With trainer/monitor/notify_email.py present, one Notifier drives both channels."""
     smtp = FakeSmtp()
     try:
         settings = tmp_path / "email.yaml"

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from trainer.notify_email import EmailSettingsError, load_settings, send_email_notification
+from trainer.monitor.notify_email import EmailSettingsError, load_settings, send_email_notification
 
 PASSWORD = "s3cret-Pa55word"
 
@@ -197,9 +197,9 @@ def test_settings_errors_name_the_field_and_never_raise_from_send(tmp_path, monk
 
 
 def test_run_notifier_delivers_email_through_this_module(tmp_path, smtp_server, monkeypatch):
-    """The training loop's Notifier (trainer/notify.py) with only notify.email_config set."""
+    """The training loop's Notifier (trainer/monitor/notify.py) with only notify.email_config set."""
     from trainer.config import NotifyConfig
-    from trainer.notify import Notifier
+    from trainer.monitor.notify import Notifier
 
     monkeypatch.setenv("TEST_SMTP_PASSWORD", PASSWORD)
     notifier = Notifier(

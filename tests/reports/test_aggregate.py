@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.aggregate import aggregate, best_evaluation, derive_experiment, official_metrics
 from trainer.cli import main
+from trainer.reports.aggregate import aggregate, best_evaluation, derive_experiment, official_metrics
 
 
 def make_run(

@@ -1,4 +1,4 @@
-"""``list``: run folders written through trainer.runlog, listed as a table and as JSON."""
+"""``list``: run folders written through trainer.runfolder, listed as a table and as JSON."""
 
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ from pathlib import Path
 import yaml
 
 from tests.helpers import REPO, trainer_env
-from trainer import runlog
+from trainer import runfolder
 from trainer.cli import main as cli
 
 
 def make_run(root: Path, name: str, age: float, evals=(), metric=None, **run_fields) -> Path:
     run_dir = root / name
-    log = runlog.RunLog(run_dir)
+    log = runfolder.RunLog(run_dir)
     if metric:
-        (run_dir / runlog.CONFIG_YAML).write_text(yaml.safe_dump({"eval": metric}))
+        (run_dir / runfolder.CONFIG_YAML).write_text(yaml.safe_dump({"eval": metric}))
     for record in evals:
-        log.write(runlog.EVAL_LOG, record)
+        log.write(runfolder.EVAL_LOG, record)
     fields = {
         "run_id": f"{name}-1",
         "model": "configs/tiny-moe",
@@ -35,9 +35,9 @@ def make_run(root: Path, name: str, age: float, evals=(), metric=None, **run_fie
         **run_fields,
     }
     log.update_run(**fields)
-    info = runlog.read_run_json(run_dir)
+    info = runfolder.read_run_json(run_dir)
     info["updated_at"] = time.time() - age
-    runlog.write_json_atomic(run_dir / runlog.RUN_JSON, info)
+    runfolder.write_json_atomic(run_dir / runfolder.RUN_JSON, info)
     log.close()
     return run_dir
 
@@ -63,7 +63,7 @@ def build_root(root: Path) -> None:
     )
     (finished / "checkpoint-100").mkdir()
     (finished / "checkpoint-100" / "adapter_model.safetensors").write_bytes(b"\0" * 50_000)
-    with open(finished / runlog.LOGS_DIR / runlog.EVAL_LOG, "a") as handle:
+    with open(finished / runfolder.LOGS_DIR / runfolder.EVAL_LOG, "a") as handle:
         handle.write("garbage line\n{half a record")
     make_run(
         root,
@@ -93,7 +93,7 @@ def build_root(root: Path) -> None:
             {"step": 20, "eval_loss": 1.1, "metrics": {"matthews_correlation": 0.42}},
         ],
     )
-    log = runlog.RunLog(glue)
+    log = runfolder.RunLog(glue)
     log.event("best_updated", step=20, metric="matthews_correlation", metric_value=0.42, path="x")
     log.close()
     make_run(root, "crashed", age=30, status="running", step=7, pid=dead_pid())

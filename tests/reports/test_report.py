@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, run_trainer
-from trainer import runlog
+from trainer import runfolder
 from trainer.cli import main
-from trainer.report import (
+from trainer.reports.report import (
     INDEX,
     LENGTHS_PNG,
     REPORT_DIR,
@@ -33,9 +33,9 @@ def loss_at(step: int) -> float:
 
 @pytest.fixture
 def hand_run(tmp_path) -> Path:
-    """A minimal run folder written with the trainer's own runlog: a resume, a NaN, a failure."""
+    """A minimal run folder written with the trainer's own run-folder library: a resume, a NaN, a failure."""
     run = tmp_path / "hand"
-    log = runlog.RunLog(run)
+    log = runfolder.RunLog(run)
     log.update_run(
         run_id="hand-1",
         status="failed",
@@ -52,7 +52,7 @@ def hand_run(tmp_path) -> Path:
     for step in range(1, STEPS + 1):
         loss = float("nan") if step == 50 else loss_at(step)
         log.write(
-            runlog.TRAINING_LOG,
+            runfolder.TRAINING_LOG,
             {
                 "step": step,
                 "total_steps": STEPS,
@@ -62,11 +62,11 @@ def hand_run(tmp_path) -> Path:
             },
         )
     log.write(
-        runlog.TRAINING_LOG, {"step": 60, "total_steps": STEPS, "loss": loss_at(60)}
+        runfolder.TRAINING_LOG, {"step": 60, "total_steps": STEPS, "loss": loss_at(60)}
     )  # replayed after resume
     for step, value in ((20, 6.0), (40, 4.5), (60, 3.9)):
         log.write(
-            runlog.EVAL_LOG,
+            runfolder.EVAL_LOG,
             {"step": step, "eval_loss": value, "perplexity": math.exp(value), "eval_tokens": 9},
         )
     log.event("checkpoint_saved", step=20, path=str(run / "checkpoint-20"), kind="periodic", metric_value=6.0)
@@ -74,11 +74,11 @@ def hand_run(tmp_path) -> Path:
     log.event("checkpoint_pruned", step=20, path=str(run / "checkpoint-20"))
     log.event("best_updated", step=40, metric="eval_loss", metric_value=4.5, path=str(run / "best-adapter"))
     log.write(
-        runlog.ERROR_LOG,
+        runfolder.ERROR_LOG,
         {"step": 100, "type": "RuntimeError", "message": "disk <full>", "traceback": "Trace"},
     )
     log.close()
-    runlog.write_json_atomic(
+    runfolder.write_json_atomic(
         run / "data_report.json",
         {
             "train_file": "data/x.jsonl",
@@ -162,14 +162,14 @@ def test_ascii_curve_shape(hand_run):
 
 def test_ascii_curve_with_few_points_and_none(tmp_path, hand_run):
     few = tmp_path / "few"
-    log = runlog.RunLog(few)
+    log = runfolder.RunLog(few)
     for step, loss in ((1, 3.0), (2, 2.0), (3, 2.0)):
-        log.write(runlog.TRAINING_LOG, {"step": step, "loss": loss})
+        log.write(runfolder.TRAINING_LOG, {"step": step, "loss": loss})
     log.close()
     cells = [row.split("|", 1)[1] for row in ascii_loss_curve(few, width=60, height=4).splitlines()[1:5]]
     assert cells == ["*  ", "   ", "   ", " **"]
     empty = tmp_path / "empty"
-    runlog.RunLog(empty).update_run(status="running")
+    runfolder.RunLog(empty).update_run(status="running")
     assert ascii_loss_curve(empty) == "loss: no finite training records yet"
     assert write_report(empty).is_file()  # plots say "no data" rather than failing
 
@@ -193,7 +193,9 @@ def test_report_of_a_real_run(default_run, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     index = run / REPORT_DIR / INDEX
     assert f"report: {index}" in result.stdout
-    train = runlog.last_per_step(list(runlog.iter_records(run / runlog.LOGS_DIR / runlog.TRAINING_LOG)))
+    train = runfolder.last_per_step(
+        list(runfolder.iter_records(run / runfolder.LOGS_DIR / runfolder.TRAINING_LOG))
+    )
     assert result.stdout.startswith(f"loss, steps 1-{train[-1]['step']} ")
     page = index.read_text()
     assert "<span class='status finished'>finished</span>" in page

@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from dashboard import create_app
-from trainer import runlog
-from trainer.aggregate import aggregate
-from trainer.report import summarize
-from trainer.runinfo import best_metric
+from trainer import runfolder
+from trainer.reports.aggregate import aggregate
+from trainer.reports.report import summarize
+from trainer.reports.runinfo import best_metric
 
 BEST_STEP = 6
 EVALS = [
@@ -35,8 +35,8 @@ def write_run(run_dir, stamped: bool) -> None:
     """A run folder as the trainer writes it; ``stamped=False``: as written before eval records named their metric."""
     (run_dir).mkdir(parents=True)
     config = {"eval": {"task": "mrpc", "metric_for_best": "accuracy", "greater_is_better": True}}
-    (run_dir / runlog.CONFIG_YAML).write_text(yaml.safe_dump(config))
-    log = runlog.RunLog(run_dir)
+    (run_dir / runfolder.CONFIG_YAML).write_text(yaml.safe_dump(config))
+    log = runfolder.RunLog(run_dir)
     log.update_run(run_id="agree", status="finished", started_at=1.0, total_steps=8, step=8)
     for step, loss, f1, accuracy, is_best in EVALS:
         record = {
@@ -50,7 +50,7 @@ def write_run(run_dir, stamped: bool) -> None:
         }
         if stamped:
             record.update(metric_for_best="accuracy", greater_is_better=True)
-        log.write(runlog.EVAL_LOG, record)
+        log.write(runfolder.EVAL_LOG, record)
         log.event("checkpoint_saved", step=step, path=str(run_dir / f"checkpoint-{step}"), metric="accuracy",
                   metric_value=accuracy, kind="periodic")  # fmt: skip
         if step == BEST_STEP:
@@ -66,7 +66,9 @@ def loop_best_step(run_dir) -> int | None:
 
     cfg = SimpleNamespace(eval=SimpleNamespace(metric_for_best="accuracy", greater_is_better=True))
     best, best_step = None, None
-    for record in runlog.last_per_step(list(runlog.iter_records(run_dir / "logs" / runlog.EVAL_LOG))):
+    for record in runfolder.last_per_step(
+        list(runfolder.iter_records(run_dir / "logs" / runfolder.EVAL_LOG))
+    ):
         value = metric_value(record, cfg)
         if best_is(value, best, cfg):
             best, best_step = value, record["step"]

@@ -7,13 +7,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+from tests.helpers import REPO
 from trainer import runfolder
 from trainer.runfolder import EvalRecord, MetricForBest, RunLog, TrainRecord
 from trainer.runfolder.best import GLUE_METRICS
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_required_fields_come_from_the_record_builders():

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from trainer.generation import evaluate_task, generate, generate_texts, max_positions
+from tests.helpers import REPO
 from trainer.tasks import get_task
+from trainer.tasks.generation import evaluate_task, generate, generate_texts, max_positions
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = REPO / "configs"
 PROMPTS = [
     "hello world",
     "SELECT name FROM singer WHERE age > 3 ORDER BY age",

@@ -11,10 +11,10 @@ import yaml
 
 import trainer.commands.evaluate
 from tests.helpers import run_trainer
-from trainer import cli, runlog
+from trainer import cli, runfolder
 from trainer.config import ConfigError, load_config
-from trainer.evaluate import load_task
-from trainer.runlog import iter_records
+from trainer.runfolder import iter_records
+from trainer.tasks.evaluate import load_task
 from trainer.tasks.sql_example import write_example_spider
 
 
@@ -46,14 +46,14 @@ def test_training_with_a_task_picks_best_by_its_official_metric(write_config, tm
     result = run_trainer("train", "--config", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "run"
-    evals = list(iter_records(run / "logs" / runlog.EVAL_LOG))
+    evals = list(iter_records(run / "logs" / runfolder.EVAL_LOG))
     assert [e["step"] for e in evals] == [2, 4]
     for record in evals:
         assert record["task"] == "sst2" and 0.0 <= record["metrics"]["accuracy"] <= 1.0
         assert record["eval_loss"] > 0 and len(record["samples"]) == 3
-    resolved = yaml.safe_load((run / runlog.CONFIG_YAML).read_text())
+    resolved = yaml.safe_load((run / runfolder.CONFIG_YAML).read_text())
     assert resolved["eval"]["metric_for_best"] == "accuracy" and resolved["eval"]["greater_is_better"] is True
-    saved = [e for e in iter_records(run / "logs" / runlog.EVENTS_LOG) if e["event"] == "checkpoint_saved"]
+    saved = [e for e in iter_records(run / "logs" / runfolder.EVENTS_LOG) if e["event"] == "checkpoint_saved"]
     assert saved[0]["metric"] == "accuracy" and saved[0]["metric_value"] == evals[0]["metrics"]["accuracy"]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, trainer_env
-from tests.hub_server import COMMIT, REPO_ID, FakeHub, tiny_repo
+from tests.tools.hub_server import COMMIT, REPO_ID, FakeHub, tiny_repo
 
 
 def hub_env(tmp_path: Path, endpoint: str | None = None, **extra: str) -> dict:
@@ -120,7 +120,7 @@ def test_download_refuses_when_the_repository_does_not_fit(tmp_path):
 
 
 def test_download_free_space_check_compares_repo_size_with_free_bytes(tmp_path, monkeypatch):
-    from trainer import hub
+    from trainer.tools import hub
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**6, 10**6 - 500, 500))
     plan = hub.Plan(REPO_ID, COMMIT, {"model.safetensors": 501}, 501, tmp_path)

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from tests.helpers import REPO, TINY, deep_merge, run_trainer
-from trainer import runlog
+from trainer import runfolder
 from trainer.cli import main as cli
 
 
@@ -60,7 +60,7 @@ def make_run(tmp_path: Path, model_dir: str, method_in_config: str = "lora") -> 
 
     Returns the checkpoint and what base + adapter produce, computed before anything is saved.
     """
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
 
     cfg = build_cfg(model_dir, **family_extras(model_dir))
     loaded = load_for_training(cfg, torch.device("cpu"))
@@ -80,13 +80,13 @@ def make_run(tmp_path: Path, model_dir: str, method_in_config: str = "lora") -> 
     model.save_pretrained(checkpoint, save_embedding_layers=False)
     tokenizer.save_pretrained(checkpoint)
     state = {"step": 4, "metric": "eval_loss", "metric_value": 5.25}
-    (checkpoint / runlog.TRAINER_STATE).write_text(json.dumps(state))
+    (checkpoint / runfolder.TRAINER_STATE).write_text(json.dumps(state))
     cfg.training.method = method_in_config
-    (run_dir / runlog.CONFIG_YAML).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    log = runlog.RunLog(run_dir)
+    (run_dir / runfolder.CONFIG_YAML).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    log = runfolder.RunLog(run_dir)
     log.update_run(run_id="run-test", status="finished", step=4, total_steps=4, method=method_in_config)
     for step, loss in ((2, 5.5), (4, 5.25)):
-        log.write(runlog.EVAL_LOG, {"step": step, "eval_loss": loss, "perplexity": 1.0, "eval_tokens": 10})
+        log.write(runfolder.EVAL_LOG, {"step": step, "eval_loss": loss, "perplexity": 1.0, "eval_tokens": 10})
     log.close()
     return checkpoint, reference
 
@@ -246,7 +246,7 @@ def test_export_bad_input_is_one_line(tmp_path, capsys):
     assert cli(["export", str(checkpoint), "--out", str(tmp_path / "busy")]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
     # Without the run's config.yaml, a random-init base has no weights to merge into: say --base.
-    (checkpoint.parent / runlog.CONFIG_YAML).unlink()
+    (checkpoint.parent / runfolder.CONFIG_YAML).unlink()
     assert cli(["export", str(checkpoint), "--out", str(tmp_path / "o2"), "--merge"]) == 2
     err = capsys.readouterr().err
     assert "no weights in" in err and "--base" in err
@@ -287,7 +287,7 @@ def test_real_run_folder_exports_its_best_adapter_merged(tmp_path):
     assert got["tokens"] == want["tokens"]
     torch.testing.assert_close(got["logits"], want["logits"], atol=2e-4, rtol=1e-4)
 
-    evals = list(runlog.iter_records(tmp_path / "run" / "logs" / "eval_log.jsonl"))
+    evals = list(runfolder.iter_records(tmp_path / "run" / "logs" / "eval_log.jsonl"))
     best = min(r["eval_loss"] for r in evals)
     card = (out / "README.md").read_text()
     assert f"best eval | eval_loss {best:.4f}" in card
@@ -298,7 +298,7 @@ def test_push_to_hub_uploads_the_export_and_refuses_offline(tmp_path, monkeypatc
     """--push-to-hub against the local Hub server (tests/hub_server.py): create the repo, commit every file."""
     from huggingface_hub import constants
 
-    from tests.hub_server import FakeHub
+    from tests.tools.hub_server import FakeHub
 
     checkpoint, _ = make_run(tmp_path, "tiny-llama")
     monkeypatch.setenv("HF_TOKEN", "hf_push_test_token")
@@ -337,7 +337,7 @@ def test_full_fine_tune_checkpoint_exports_its_own_weights(tmp_path):
     tokenizer.save_pretrained(checkpoint)
     model_cfg = {"name_or_path": str(REPO / "configs" / "tiny-llama"), "random_init": True}
     cfg = build_config(deep_merge(TINY, {"training": {"method": "full"}, "model": model_cfg}))
-    (run_dir / runlog.CONFIG_YAML).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    (run_dir / runfolder.CONFIG_YAML).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     reference = outputs(model, tokenizer)
 
     out = tmp_path / "full"

@@ -12,8 +12,8 @@ import torch
 import yaml
 
 from tests.helpers import REPO, TINY, deep_merge, run_trainer
-from trainer import hardware
 from trainer.config import load_config
+from trainer.tools import hardware
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import json
 import yaml
 
 from tests.faults import run_with_faults
-from trainer.planner import candidate_shapes
+from trainer.tools.planner import candidate_shapes
 
 
 def plan_cli(config, *extra, inject=""):

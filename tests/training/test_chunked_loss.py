@@ -7,8 +7,8 @@ import torch
 
 from tests.helpers import REPO
 from trainer.config import load_config
-from trainer.data import collate, pack
-from trainer.modeling import load_for_training
+from trainer.data.dataset import collate, pack
+from trainer.model.loading import load_for_training
 from trainer.training import chunked_loss
 from trainer.training.step import forward_loss
 

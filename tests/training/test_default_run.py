@@ -6,12 +6,12 @@ import json
 import math
 
 from tests.helpers import REPO
-from trainer import runlog
-from trainer.runlog import REQUIRED_FIELDS, iter_records
+from trainer import runfolder
+from trainer.runfolder import REQUIRED_FIELDS, iter_records
 
 
 def records(run, name):
-    return list(iter_records(run / runlog.LOGS_DIR / name))
+    return list(iter_records(run / runfolder.LOGS_DIR / name))
 
 
 def test_default_run_says_where_its_run_folder_is(default_run):
@@ -25,7 +25,7 @@ def test_every_log_has_its_documented_fields(default_run):
     run = default_run["path"]
     for name, fields in REQUIRED_FIELDS.items():
         recs = records(run, name)
-        if name == runlog.ERROR_LOG:
+        if name == runfolder.ERROR_LOG:
             assert recs == []  # a clean run has no errors
             continue
         assert recs, f"{name} is empty"
@@ -33,27 +33,27 @@ def test_every_log_has_its_documented_fields(default_run):
             missing = [f for f in fields if f not in record]
             assert not missing, f"{name} record lacks {missing}: {record}"
             assert isinstance(record["ts"], float)
-    for line in (run / runlog.LOGS_DIR / runlog.TRAINING_LOG).read_text().splitlines():
+    for line in (run / runfolder.LOGS_DIR / runfolder.TRAINING_LOG).read_text().splitlines():
         json.loads(line)  # every line is standalone JSON
 
 
 def test_training_log_is_complete_and_loss_falls(default_run):
     run = default_run["path"]
-    train = records(run, runlog.TRAINING_LOG)
+    train = records(run, runfolder.TRAINING_LOG)
     total = train[0]["total_steps"]
     assert [r["step"] for r in train] == list(range(1, total + 1))
     first = sum(r["loss"] for r in train[:10]) / 10
     last = sum(r["loss"] for r in train[-10:]) / 10
     assert last < first - 2.0, (first, last)
     assert all(r["tokens_per_sec"] > 0 and r["aux_loss"] > 0 for r in train)
-    evals = records(run, runlog.EVAL_LOG)
+    evals = records(run, runfolder.EVAL_LOG)
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert math.isclose(evals[-1]["perplexity"], math.exp(evals[-1]["eval_loss"]), rel_tol=1e-6)
 
 
 def test_expert_usage_counts_real_routing(default_run):
     run = default_run["path"]
-    usage = records(run, runlog.EXPERT_LOG)
+    usage = records(run, runfolder.EXPERT_LOG)
     assert usage[0]["num_experts"] == 8 and usage[0]["top_k"] == 2
     for record in usage:
         assert len(record["layers"]) == 2
@@ -69,11 +69,11 @@ def test_expert_usage_counts_real_routing(default_run):
 
 def test_run_json_and_events(default_run):
     run = default_run["path"]
-    info = json.loads((run / runlog.RUN_JSON).read_text())
+    info = json.loads((run / runfolder.RUN_JSON).read_text())
     assert info["status"] == "finished" and info["ended_at"] >= info["started_at"]
     assert info["family"] == "causal" and info["model_type"] == "qwen2_moe" and info["world_size"] == 1
     assert info["versions"]["torch"] and info["versions"]["transformers"]
-    events = [e["event"] for e in records(run, runlog.EVENTS_LOG)]
+    events = [e["event"] for e in records(run, runfolder.EVENTS_LOG)]
     assert events[0] == "run_start" and events[-1] == "run_end"
     for needed in (
         "data_report",
@@ -86,7 +86,7 @@ def test_run_json_and_events(default_run):
         "eval_done",
     ):
         assert needed in events
-    gpu = records(run, runlog.GPU_LOG)
+    gpu = records(run, runfolder.GPU_LOG)
     assert gpu and gpu[0]["device"] == "cpu" and gpu[0]["ram_total_mb"] > 0
 
 
@@ -98,11 +98,11 @@ def test_checkpoints_retained_and_loadable(default_run):
     periodic = sorted(p.name for p in run.glob("checkpoint-*"))
     finals = sorted(p.name for p in run.glob("final-checkpoint-*"))
     assert len(periodic) <= 2 and finals == ["final-checkpoint-240"]
-    saved = [e for e in records(run, runlog.EVENTS_LOG) if e["event"] == "checkpoint_saved"]
-    pruned = {e["path"] for e in records(run, runlog.EVENTS_LOG) if e["event"] == "checkpoint_pruned"}
+    saved = [e for e in records(run, runfolder.EVENTS_LOG) if e["event"] == "checkpoint_saved"]
+    pruned = {e["path"] for e in records(run, runfolder.EVENTS_LOG) if e["event"] == "checkpoint_pruned"}
     for event in saved:
         assert (event["path"] in pruned) != (run / event["path"].split("/")[-1]).exists()
-    best = run / runlog.BEST_ADAPTER_DIR
+    best = run / runfolder.BEST_ADAPTER_DIR
     assert (best / "adapter_model.safetensors").is_file() and not (best / "training_state").exists()
     base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "configs" / "tiny-moe"))
     model = PeftModel.from_pretrained(base, best)
@@ -115,7 +115,7 @@ def test_resolved_config_reproduces_the_run(default_run):
     from trainer.config import load_config
 
     run = default_run["path"]
-    cfg = load_config(run / runlog.CONFIG_YAML)
+    cfg = load_config(run / runfolder.CONFIG_YAML)
     assert cfg.paths.output_dir == str(run)
     assert cfg.training.max_steps == 240 and cfg.model.random_init is True
 

@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from tests.helpers import run_trainer
-from trainer import runlog
-from trainer.checkpoints import finished_run
+from trainer import runfolder
 from trainer.cli import EXIT_BAD_INPUT, EXIT_RUN_EXISTS
+from trainer.training.checkpoint_files import finished_run
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -29,7 +29,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 def events(run: Path, kind: str) -> list[dict]:
-    return [e for e in runlog.iter_records(run / "logs" / runlog.EVENTS_LOG) if e.get("event") == kind]
+    return [e for e in runfolder.iter_records(run / "logs" / runfolder.EVENTS_LOG) if e.get("event") == kind]
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +117,6 @@ def test_training_a_finished_run_again_is_a_no_op_and_extend_trains_further(fini
     assert (run / "final-checkpoint-3").is_dir()
     resume = events(run, "resume")
     assert len(resume) == 1 and resume[0]["from_checkpoint"].endswith("final-checkpoint-2")
-    info = runlog.read_run_json(run)
+    info = runfolder.read_run_json(run)
     assert info["status"] == "finished" and info["step"] == 3 and info["resumes"] == 1
     assert finished_run(run).step == 3

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO, trainer_env
-from trainer import runlog
-from trainer.exit_report import report, what_happened
+from trainer import runfolder
+from trainer.reports.exit_report import report, what_happened
 
 
 def launch(*args: str, cwd: Path = REPO, **env_extra: str) -> subprocess.CompletedProcess:
@@ -81,10 +81,10 @@ def test_exit_codes_in_words():
 
 def test_report_reads_the_run_folder(tmp_path):
     run = tmp_path / "run"
-    log = runlog.RunLog(run)
+    log = runfolder.RunLog(run)
     for step in (1, 2, 3):
-        log.write(runlog.TRAINING_LOG, {"step": step, "total_steps": 12, "loss": 1.0})
-    log.write(runlog.ERROR_LOG, {"step": 3, "type": "RuntimeError", "message": "CUDA error:\n  bad"})
+        log.write(runfolder.TRAINING_LOG, {"step": step, "total_steps": 12, "loss": 1.0})
+    log.write(runfolder.ERROR_LOG, {"step": 3, "type": "RuntimeError", "message": "CUDA error:\n  bad"})
     log.close()
     (run / "checkpoint-2").mkdir()
     line = report(1, run, ["./launch_training.sh", "--config", "my config.yaml"])

@@ -10,14 +10,14 @@ import torch
 
 from tests.faults import InjectedFaults
 from tests.helpers import REPO, run_trainer
-from trainer import runlog
+from trainer import runfolder
 from trainer.config import load_config
-from trainer.runlog import iter_records
+from trainer.runfolder import iter_records
 from trainer.training.loop import train
 
 
 def training_records(run):
-    return list(iter_records(run / "logs" / runlog.TRAINING_LOG))
+    return list(iter_records(run / "logs" / runfolder.TRAINING_LOG))
 
 
 def test_accumulation_equals_one_big_batch_with_uneven_lengths(write_config, tmp_path):
@@ -104,9 +104,9 @@ def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path):
     step3 = records[2]
     assert step3["loss"] is None and "loss" in step3["nonfinite"] and step3["skipped"] is True
     assert all(r["loss"] is not None for r in records if r["step"] != 3)
-    skipped = [e for e in iter_records(run / "logs" / runlog.EVENTS_LOG) if e["event"] == "step_skipped"]
+    skipped = [e for e in iter_records(run / "logs" / runfolder.EVENTS_LOG) if e["event"] == "step_skipped"]
     assert [(e["step"], e["reason"]) for e in skipped] == [(3, "nonfinite_loss")]
-    assert "NaN" not in (run / "logs" / runlog.TRAINING_LOG).read_text()
+    assert "NaN" not in (run / "logs" / runfolder.TRAINING_LOG).read_text()
 
 
 def test_fatal_error_is_logged_then_raised(write_config, tmp_path):
@@ -125,11 +125,11 @@ def test_fatal_error_is_logged_then_raised(write_config, tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         train(cfg, faults=InjectedFaults(wrap_loss=exploding_at_step_3))
     run = tmp_path / "run"
-    errors = list(iter_records(run / "logs" / runlog.ERROR_LOG))
+    errors = list(iter_records(run / "logs" / runfolder.ERROR_LOG))
     assert len(errors) == 1
     assert errors[0]["type"] == "RuntimeError" and errors[0]["message"] == "boom at the third step"
     assert errors[0]["step"] == 2 and "exploding" in errors[0]["traceback"]
-    info = json.loads((run / runlog.RUN_JSON).read_text())
+    info = json.loads((run / runfolder.RUN_JSON).read_text())
     assert info["status"] == "failed" and info["ended_at"]
 
 
@@ -160,6 +160,6 @@ def test_step_kernels_chosen_once_drive_training_and_evaluation(write_config, tm
         write_config({"training": {"max_steps": 2, "save_steps": 100}, "eval": {"interval": 100}})
     )
     assert train(cfg) == 0
-    evaluations = list(iter_records(tmp_path / "run" / "logs" / runlog.EVAL_LOG))
+    evaluations = list(iter_records(tmp_path / "run" / "logs" / runfolder.EVAL_LOG))
     assert [e["step"] for e in evaluations] == [2]  # eval.at_end, over eval.max_batches=2 batches
     assert seen == {"choose": 1, "prepare": 1, "loss": 2 * 2 + 2}  # 2 steps x accumulation 2, then eval

@@ -8,9 +8,9 @@ import subprocess
 import pytest
 
 from tests.faults import run_with_faults
-from trainer import runlog
-from trainer.data import Sequence
-from trainer.runlog import iter_records, last_per_step
+from trainer import runfolder
+from trainer.data.dataset import Sequence
+from trainer.runfolder import iter_records, last_per_step
 from trainer.training.oom_retry import shrink
 from trainer.training.step import StepShape, split_rows
 
@@ -27,12 +27,12 @@ def merged(base: dict, training: dict) -> dict:
 
 def losses(run):
     return {
-        r["step"]: r["loss"] for r in last_per_step(list(iter_records(run / "logs" / runlog.TRAINING_LOG)))
+        r["step"]: r["loss"] for r in last_per_step(list(iter_records(run / "logs" / runfolder.TRAINING_LOG)))
     }
 
 
 def events(run, name):
-    return [e for e in iter_records(run / "logs" / runlog.EVENTS_LOG) if e["event"] == name]
+    return [e for e in iter_records(run / "logs" / runfolder.EVENTS_LOG) if e["event"] == name]
 
 
 def test_oom_halves_micro_batch_keeps_effective_batch_and_replays_the_step(write_config, tmp_path):
@@ -56,7 +56,7 @@ def test_oom_halves_micro_batch_keeps_effective_batch_and_replays_the_step(write
     assert train_fb[0]["new"] == {"micro": 2, "accum": 4, "split_length": None}
     eval_fb = [e for e in fallbacks if e.get("phase") == "eval"]
     assert eval_fb[0]["old"] == {"eval_batch_size": 8} and eval_fb[0]["new"] == {"eval_batch_size": 4}
-    assert [e["step"] for e in iter_records(tmp_path / "a" / "logs" / runlog.EVAL_LOG)] == [3, 6]
+    assert [e["step"] for e in iter_records(tmp_path / "a" / "logs" / runfolder.EVAL_LOG)] == [3, 6]
     state = json.loads((tmp_path / "a" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["step_shape"] == {"micro": 2, "accum": 4, "split_length": None}
 
@@ -68,7 +68,7 @@ def test_micro_batch_one_splits_rows_instead_of_dropping(write_config, tmp_path)
     run = tmp_path / "run"
     fallback = events(run, "oom_fallback")[0]
     assert fallback["new"] == {"micro": 1, "accum": 2, "split_length": 48}
-    records = {r["step"]: r for r in iter_records(run / "logs" / runlog.TRAINING_LOG)}
+    records = {r["step"]: r for r in iter_records(run / "logs" / runfolder.TRAINING_LOG)}
     assert sorted(records) == list(range(1, 7))
     assert all(records[s]["loss"] is not None for s in records)
 
@@ -83,7 +83,7 @@ def test_bounded_retries_then_clear_failure_with_checkpoint(write_config, tmp_pa
     assert (run / "checkpoint-4" / "trainer_state.json").is_file()
     saved = events(run, "checkpoint_saved")
     assert saved[-1]["kind"] == "oom" and saved[-1]["step"] == 4
-    errors = list(iter_records(run / "logs" / runlog.ERROR_LOG))
+    errors = list(iter_records(run / "logs" / runfolder.ERROR_LOG))
     assert errors[-1]["type"] == "OutOfMemoryAfterRetries" and errors[-1]["step"] == 4
     assert json.loads((run / "run.json").read_text())["status"] == "failed"
     resumed = train_with(config)  # and the run carries on from there with the smaller shape

@@ -10,17 +10,17 @@ import pytest
 
 from tests.faults import run_with_faults
 from tests.helpers import run_trainer, start_trainer, wait_for
-from trainer import runlog
-from trainer.runlog import iter_records, last_per_step
+from trainer import runfolder
+from trainer.runfolder import iter_records, last_per_step
 
 
 def losses(run):
-    recs = last_per_step(list(iter_records(run / "logs" / runlog.TRAINING_LOG)))
+    recs = last_per_step(list(iter_records(run / "logs" / runfolder.TRAINING_LOG)))
     return {r["step"]: r["loss"] for r in recs}
 
 
 def events(run):
-    return list(iter_records(run / "logs" / runlog.EVENTS_LOG))
+    return list(iter_records(run / "logs" / runfolder.EVENTS_LOG))
 
 
 @pytest.fixture(scope="module")

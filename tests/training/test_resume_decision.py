@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 from tests.helpers import run_trainer
-from trainer import runlog
-from trainer.checkpoints import STATE_DIR, finished_run
+from trainer import runfolder
 from trainer.cli import EXIT_RUN_EXISTS
 from trainer.cli import main as cli
+from trainer.training.checkpoint_files import STATE_DIR, finished_run
 
 
 def fake_checkpoint(run: Path, name: str) -> Path:
@@ -17,8 +17,8 @@ def fake_checkpoint(run: Path, name: str) -> Path:
     path = run / name
     (path / STATE_DIR).mkdir(parents=True)
     (path / "adapter_model.safetensors").write_bytes(b"")
-    step = runlog.checkpoint_step(name)
-    (path / runlog.TRAINER_STATE).write_text(json.dumps({"step": step}))
+    step = runfolder.checkpoint_step(name)
+    (path / runfolder.TRAINER_STATE).write_text(json.dumps({"step": step}))
     return path
 
 
@@ -33,9 +33,9 @@ def test_finished_means_a_final_checkpoint_is_the_latest_or_run_json_says_so(tmp
 
     other = tmp_path / "other"
     other.mkdir()
-    (other / runlog.RUN_JSON).write_text(json.dumps({"status": "finished", "step": 5}))
+    (other / runfolder.RUN_JSON).write_text(json.dumps({"status": "finished", "step": 5}))
     assert (finished_run(other).step, finished_run(other).checkpoint) == (5, None)
-    (other / runlog.RUN_JSON).write_text(json.dumps({"status": "interrupted", "step": 5}))
+    (other / runfolder.RUN_JSON).write_text(json.dumps({"status": "interrupted", "step": 5}))
     assert finished_run(other) is None
 
 

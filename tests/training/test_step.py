@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from trainer.data import Sequence, collate
+from trainer.data.dataset import Sequence, collate
 from trainer.training.step import FullCrossEntropy, StepShape, count_targets, micro_batches, reference_kernels
 
 

@@ -7,7 +7,7 @@ import math
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import TINY, run_trainer
-from trainer import runlog
+from trainer import runfolder
 
 
 def scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
@@ -26,21 +26,21 @@ def test_tensorboard_gets_the_same_numbers_and_jsonl_stays_complete(write_config
     result = run_trainer("train", "--config", str(config), "--set", "logging.report_to=[tensorboard]")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     run = config.parent / "run"
-    logs = run / runlog.LOGS_DIR
+    logs = run / runfolder.LOGS_DIR
     total = TINY["training"]["max_steps"]
 
     # The JSONL logs are all there, as without trackers.
-    train = list(runlog.iter_records(logs / runlog.TRAINING_LOG))
+    train = list(runfolder.iter_records(logs / runfolder.TRAINING_LOG))
     assert [r["step"] for r in train] == list(range(1, total + 1))
     for record in train:
-        assert all(field in record for field in runlog.REQUIRED_FIELDS[runlog.TRAINING_LOG])
-    evals = list(runlog.iter_records(logs / runlog.EVAL_LOG))
+        assert all(field in record for field in runfolder.REQUIRED_FIELDS[runfolder.TRAINING_LOG])
+    evals = list(runfolder.iter_records(logs / runfolder.EVAL_LOG))
     assert [r["step"] for r in evals] == list(
         range(TINY["eval"]["interval"], total + 1, TINY["eval"]["interval"])
     )
-    events = [e["event"] for e in runlog.iter_records(logs / runlog.EVENTS_LOG)]
+    events = [e["event"] for e in runfolder.iter_records(logs / runfolder.EVENTS_LOG)]
     assert events[0] == "run_start" and events[-1] == "run_end"
-    assert runlog.read_run_json(run)["status"] == "finished"
+    assert runfolder.read_run_json(run)["status"] == "finished"
 
     # Tracker files live in the run folder's trackers/ (documented in docs/run-folder.md).
     assert list((run / "trackers").rglob("events.out.tfevents.*"))

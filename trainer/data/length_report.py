@@ -27,9 +27,9 @@ import re
 import time
 from pathlib import Path
 
-from trainer import runlog
+from trainer import runfolder
 from trainer.config import Config
-from trainer.data import IGNORE, DataError, DataReport, detect_format, read_records, tokenize_record
+from trainer.data.dataset import IGNORE, DataError, DataReport, detect_format, read_records, tokenize_record
 
 REPORT_JSON = "data_report.json"
 REPORT_MD = "data_report.md"
@@ -296,7 +296,7 @@ def write_data_report(report: dict, output_dir: str | os.PathLike) -> tuple[Path
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / REPORT_JSON, out / REPORT_MD
-    runlog.write_json_atomic(json_path, {"ts": round(time.time(), 3), **report})
+    runfolder.write_json_atomic(json_path, {"ts": round(time.time(), 3), **report})
     tmp = md_path.with_name(f".{md_path.name}.tmp")
     tmp.write_text(format_markdown(report))
     os.replace(tmp, md_path)

@@ -1,5 +1,5 @@
 """Run notifications: a webhook (a JSON POST that Slack's incoming webhooks accept) and, when
-``notify.email_config`` is set, e-mail through ``trainer.notify_email``; plus a stall watchdog.
+``notify.email_config`` is set, e-mail through ``trainer.monitor.notify_email``; plus a stall watchdog.
 
 A notification must never hurt the run: ``notify`` never raises, waits at most
 ``notify.timeout_seconds`` (each channel sends in a daemon thread, so even a server that accepts
@@ -22,7 +22,7 @@ import urllib.parse
 import urllib.request
 
 from trainer.config import NotifyConfig
-from trainer.runlog import clean_value
+from trainer.runfolder import clean_value
 
 EVENTS = ("start", "finish", "failure", "interrupt", "stall")
 TERMINAL_EVENTS = ("finish", "failure", "interrupt")
@@ -145,11 +145,13 @@ class Notifier:
 
     def _email(self, event: str, payload: dict) -> bool:
         try:
-            from trainer.notify_email import send_email_notification
+            from trainer.monitor.notify_email import send_email_notification
         except ModuleNotFoundError as exc:
-            if exc.name != "trainer.notify_email":
+            if exc.name != "trainer.monitor.notify_email":
                 raise
-            raise RuntimeError("notify.email_config is set but trainer/notify_email.py is missing") from None
+            raise RuntimeError(
+                "notify.email_config is set but trainer/monitor/notify_email.py is missing"
+            ) from None
         info = {**payload["info"], "run": self.run_name, "host": self.host, "text": payload["text"]}
         return bool(send_email_notification(self.cfg.email_config, event, info, self.cfg.timeout_seconds))
 

@@ -1,7 +1,7 @@
 """Background hardware sampler: NVML on GPUs, psutil for CPU and RAM, one writer per node.
 
 It runs in a daemon thread with its own log handle, so a slow sample never delays a training step.
-``open_nvml`` is the kit's one way into NVML (``trainer.hardware`` lists GPUs through it too).
+``open_nvml`` is the kit's one way into NVML (``trainer.tools.hardware`` lists GPUs through it too).
 """
 
 from __future__ import annotations

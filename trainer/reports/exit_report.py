@@ -1,6 +1,6 @@
 """One line after the trainer exits abnormally: what happened, how far the run got, how to resume.
 
-launch_training.sh runs ``python -m trainer.exit_report --code N [--config F --set ...] -- <its own
+launch_training.sh runs ``python -m trainer.reports.exit_report --code N [--config F --set ...] -- <its own
 command>`` when the trainer exits with anything but 0, 2 or 3. Reads the run folder only (run.json,
 the tail of the training log, the error log and the checkpoint folders), so it works after a SIGKILL
 too; no torch import.
@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from trainer import runlog
+from trainer import runfolder
 
 OOM_KILL = 137  # 128 + SIGKILL: what a process killed by the kernel's OOM killer exits with
 
@@ -39,7 +39,7 @@ def last_error(output_dir: Path, since: float) -> str | None:
     """``Type: message`` of the last fatal error logged since ``since`` (this attempt), if any."""
     errors = [
         r
-        for r in runlog.iter_records(output_dir / runlog.LOGS_DIR / runlog.ERROR_LOG)
+        for r in runfolder.iter_records(output_dir / runfolder.LOGS_DIR / runfolder.ERROR_LOG)
         if isinstance(r.get("ts"), (int, float)) and r["ts"] >= since
     ]
     if not errors:
@@ -51,8 +51,8 @@ def last_error(output_dir: Path, since: float) -> str | None:
 
 def progress_text(output_dir: Path) -> str:
     """``last logged step S/T, last checkpoint NAME`` from the run folder."""
-    from trainer.checkpoints import latest_checkpoint
     from trainer.sweep.status import progress
+    from trainer.training.checkpoint_files import latest_checkpoint
 
     logged = progress(output_dir)
     if logged is None:
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(prog="python -m trainer.exit_report")
+    parser = argparse.ArgumentParser(prog="python -m trainer.reports.exit_report")
     parser.add_argument("--code", type=int, required=True)
     parser.add_argument("--config", default="training_config.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[])

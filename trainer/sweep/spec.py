@@ -168,7 +168,7 @@ def normalize_key(key: Any, value: Any, where: str) -> tuple[str, Any]:
         )
     if section not in hints or name not in hints[section]:
         from trainer.config import SECTIONS
-        from trainer.config_errors import suggest_key, suggest_section
+        from trainer.config.errors import suggest_key, suggest_section
 
         if section not in hints:
             hint = suggest_section(section, SECTIONS)
@@ -344,7 +344,7 @@ def _int(raw: Any, where: str, default: int, low: int = 0) -> int:
 
 
 def read_sweep_file(path: Path) -> dict:
-    from trainer.yamlfile import read_yaml
+    from trainer.config.yamlfile import read_yaml
 
     raw, lines = read_yaml(path, SweepError, what="sweep file")
     if not isinstance(raw, dict):

@@ -55,7 +55,7 @@ def evaluate_generation(model, tokenizer, task, examples: list[dict], cfg: Confi
     """Each rank generates for its share of the examples; predictions are gathered in order, then scored."""
     from accelerate.utils import gather_object
 
-    from trainer.generation import generate
+    from trainer.tasks.generation import generate
 
     world, rank = accelerator.num_processes, accelerator.process_index
     mine = list(range(rank, len(examples), world))

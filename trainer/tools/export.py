@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer import runinfo, runlog
+from trainer import runfolder
+from trainer.reports import runinfo
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -62,18 +63,18 @@ def resolve_checkpoint(path: Path) -> Path:
         raise ExportError(f"CHECKPOINT: expected a checkpoint or run folder, got a file: {path}")
     if (path / ADAPTER_CONFIG).is_file() or (path / "config.json").is_file():
         return path
-    if (path / runlog.BEST_ADAPTER_DIR / ADAPTER_CONFIG).is_file():
-        return path / runlog.BEST_ADAPTER_DIR
+    if (path / runfolder.BEST_ADAPTER_DIR / ADAPTER_CONFIG).is_file():
+        return path / runfolder.BEST_ADAPTER_DIR
     steps = sorted(
-        (runlog.checkpoint_step(child.name), child.name.startswith(runlog.FINAL_PREFIX), child)
+        (runfolder.checkpoint_step(child.name), child.name.startswith(runfolder.FINAL_PREFIX), child)
         for child in path.iterdir()
-        if child.is_dir() and runlog.checkpoint_step(child.name) is not None
+        if child.is_dir() and runfolder.checkpoint_step(child.name) is not None
     )
     if steps:
         return steps[-1][2]
     raise ExportError(
         f"CHECKPOINT: {path} holds no adapter ({ADAPTER_CONFIG}) or model (config.json), "
-        f"and no {runlog.BEST_ADAPTER_DIR}/ or checkpoint-<step>/ folder"
+        f"and no {runfolder.BEST_ADAPTER_DIR}/ or checkpoint-<step>/ folder"
     )
 
 
@@ -89,13 +90,13 @@ def read_source(path: Path) -> Source:
         raise ExportError(
             f"CHECKPOINT: no weights in {checkpoint} (expected {ADAPTER_WEIGHTS} or model.safetensors)"
         )
-    run_dir = checkpoint.parent if (checkpoint.parent / runlog.CONFIG_YAML).is_file() else None
+    run_dir = checkpoint.parent if (checkpoint.parent / runfolder.CONFIG_YAML).is_file() else None
     source = Source(checkpoint, kind, run_dir, None)
     if run_dir is not None:
-        source.config = read_run_config(run_dir / runlog.CONFIG_YAML)
-        source.run_info = runlog.read_run_json(run_dir)
-    if (checkpoint / runlog.TRAINER_STATE).is_file():
-        source.state = json.loads((checkpoint / runlog.TRAINER_STATE).read_text())
+        source.config = read_run_config(run_dir / runfolder.CONFIG_YAML)
+        source.run_info = runfolder.read_run_json(run_dir)
+    if (checkpoint / runfolder.TRAINER_STATE).is_file():
+        source.state = json.loads((checkpoint / runfolder.TRAINER_STATE).read_text())
     if kind == "adapter":
         source.adapter_config = json.loads((checkpoint / ADAPTER_CONFIG).read_text())
     return source
@@ -119,7 +120,7 @@ def torch_dtype(name: str, fallback_config=None):
     """``auto``: the dtype the base was published in (its config.json), else float32."""
     import torch
 
-    from trainer.modeling import DTYPES
+    from trainer.model.loading import DTYPES
 
     if name != "auto":
         return DTYPES[name]
@@ -153,13 +154,13 @@ def base_config_for(source: Source, base: str | None):
 
 
 def load_base(cfg, dtype_name: str):
-    """Rebuild the base as training did (trainer.modeling, family hooks, same seed), unquantized, in
+    """Rebuild the base as training did (trainer.model.loading, family hooks, same seed), unquantized, in
     the export dtype. Returns the model, its family, the dtype, and the base's config as published
     (the family may adjust runtime flags for training, such as fused kernels, that the export drops)."""
     import torch
 
     from trainer.families import ModelLoadError, family_for
-    from trainer.modeling import DTYPES, load_base_model, load_hf_config, resolve_dtype
+    from trainer.model.loading import DTYPES, load_base_model, load_hf_config, resolve_dtype
 
     try:
         hf_config = load_hf_config(cfg)
@@ -187,7 +188,7 @@ def load_tokenizer_for(source: Source, cfg):
     from transformers import AutoTokenizer
 
     from trainer.families import ModelLoadError
-    from trainer.modeling import load_tokenizer
+    from trainer.model.loading import load_tokenizer
 
     if any((source.checkpoint / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         return AutoTokenizer.from_pretrained(str(source.checkpoint))
@@ -260,7 +261,7 @@ def save_adapter(source: Source, out: Path, cfg, dtype_name: str, base: str | No
     try:
         from transformers import AutoConfig, AutoTokenizer
 
-        from trainer.modeling import _import_family_registrations
+        from trainer.model.loading import _import_family_registrations
 
         _import_family_registrations()
         # The base training used (its config names the special tokens); only what is already on disk.
@@ -401,7 +402,7 @@ def export(
         raise
     details["name"] = out.name
     if source.run_dir is not None:
-        shutil.copy2(source.run_dir / runlog.CONFIG_YAML, out / "training_config.yaml")
+        shutil.copy2(source.run_dir / runfolder.CONFIG_YAML, out / "training_config.yaml")
     (out / "README.md").write_text(model_card(source, cfg, merged, details))
     respect_umask(out)
     return {

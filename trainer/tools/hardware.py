@@ -180,7 +180,7 @@ def _gpu_record(index: int, name: str, total_bytes: int, cc: str | None, source:
 
 
 def _nvml_gpus() -> tuple[list[dict], str | None]:
-    from trainer.telemetry import NvmlUnavailable, close_nvml, open_nvml, text
+    from trainer.monitor.telemetry import NvmlUnavailable, close_nvml, open_nvml, text
 
     try:
         pynvml, handles = open_nvml()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.config import Config
-from trainer.data import collate, pack
+from trainer.data.dataset import collate, pack
 from trainer.training.faults import NO_FAULTS, Faults
 from trainer.training.oom_retry import free_memory, is_oom
 from trainer.training.step import LossFn
@@ -126,7 +126,7 @@ def plan(
     """Dry-run every candidate on the real model; returns (chosen candidate or None, all candidates, limit MB)."""
     from accelerate import Accelerator
 
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
     from trainer.training.optim import make_optimizer
     from trainer.training.step import choose_kernels
 

@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.runfolder import folder_size  # noqa: F401 - the loop sizes checkpoints through ckpt.folder_size
-from trainer.runlog import (
+from trainer.runfolder import (
     BEST_ADAPTER_DIR,
     CHECKPOINT_PREFIX,
     FINAL_PREFIX,
     TRAINER_STATE,
     checkpoint_step,
+    folder_size,  # noqa: F401 - the loop sizes checkpoints through ckpt.folder_size
     read_run_json,
 )
 from trainer.training.faults import NO_FAULTS, Faults

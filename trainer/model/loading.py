@@ -17,7 +17,7 @@ import torch
 from trainer import fastpath
 from trainer.config import Config
 from trainer.families import Family, ModelLoadError, family_for
-from trainer.moe_quant import QuantizedExpertWeights, quantize_fused_experts
+from trainer.model.moe_quant import QuantizedExpertWeights, quantize_fused_experts
 from trainer.training import chunked_loss
 
 log = logging.getLogger(__name__)
