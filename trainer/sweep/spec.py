@@ -3,6 +3,9 @@
 Every job gets a readable name built from what makes it different (``glue-lora_sst2_r8_seed1``),
 the same every time the file is read, and its own folder ``<root>/<name>``. Relative paths are
 read from the working directory, as the trainer's own config does. docs/sweeps.md has the format.
+
+Over 400 lines on purpose: every field of the sweep file is checked here, each with its own
+``file:line`` message, and job naming depends on those same checked values.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ checkpoint (same loader, same seed for a random-init base), or taken from ``--ba
 run's base is loaded again unquantized, in the export dtype, and the adapter merged into those
 weights: merging into NF4 weights would bake the quantization error into every layer, and the
 result could only be saved 4-bit.
+
+Over 400 lines on purpose: about a hundred are the model card, which sits beside the code that
+knows what was exported (base, dtype, merge, adapter settings) so the two cannot drift apart.
 """
 
 from __future__ import annotations

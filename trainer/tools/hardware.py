@@ -4,6 +4,9 @@ and recommended starting settings for the GPU memory found (``python -m trainer 
 Nothing here loads a model or needs a GPU; torch is imported only to ask about CUDA, and optional
 packages are looked up by metadata, never imported (importing fla, for one, starts Triton).
 The recommendation table ``RULES`` is deliberately small and documented in docs/operations.md.
+
+Over 400 lines on purpose: the probes (GPUs through torch or NVML, CPU, RAM, disk, packages,
+features) and the table they feed are one report, read together when a recommendation looks wrong.
 """
 
 from __future__ import annotations
