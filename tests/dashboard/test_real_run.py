@@ -14,6 +14,9 @@ from dashboard import create_app
 from trainer import runfolder
 from trainer.runfolder.plots import PLOT_NAMES
 
+# Every test reads the run folder of one real training run (the session's trained_run).
+pytestmark = pytest.mark.slow
+
 
 def log(run: Path, name: str) -> list[dict]:
     return list(runfolder.iter_records(run / runfolder.LOGS_DIR / name))

@@ -47,6 +47,7 @@ def test_malformed_line_fatal_names_file_and_line(tmp_path):
         read_records(path, "fail", DataReport())
 
 
+@pytest.mark.slow
 def test_cli_bad_data_exit_2_and_skip_count_logged(write_config, tmp_path):
     data = write_lines(
         tmp_path / "d.jsonl", [json.dumps({"text": "Ada lives in Marlow. " * 20})] * 60 + ["oops"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from trainer.tasks.generation import generate_texts
 
 from tests.helpers import REPO, run_trainer
 from tests.tasks.test_task_eval import write_sst2
@@ -12,7 +13,6 @@ from trainer import runfolder
 from trainer.config import load_config
 from trainer.model.loading import load_for_training
 from trainer.runfolder import iter_records
-from trainer.tasks.generation import generate_texts
 
 FAMILIES = {
     "gla": "configs/tiny-gla.yaml",
@@ -36,6 +36,7 @@ def test_left_padded_batch_generates_like_single_prompts(family):
     assert batched == single and any(batched)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_task_evaluation_during_training(family, tmp_path):
     glue = write_sst2(tmp_path / "glue", rows=8)

@@ -33,6 +33,7 @@ pytest.importorskip(
 TARGETS = ["q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "lm_head"]
 
 
+@pytest.mark.slow
 def test_gla_trains_through_the_cli_and_resumes_exactly(tmp_path, capsys):
     """DoRA adapters (their magnitude vectors too) come back exactly after a SIGKILL."""
     dora = {"lora": {"variant": "dora"}}
@@ -156,11 +157,13 @@ def test_torch_norms_match_fla_reference_maths():
     torch.testing.assert_close(holder[0](x, g), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, init", VARIANTS)
 def test_gla_lora_variants_train(tmp_path, variant, init):
     check_variant_trains(tmp_path, "tiny-gla", TARGETS, variant, init)
 
 
+@pytest.mark.slow
 def test_gla_dora_on_4bit_layers_trains(tmp_path):
     check_variant_trains(tmp_path, "tiny-gla", TARGETS[:-1], "dora", "default", method="qlora")
 
@@ -228,6 +231,7 @@ def test_gla_without_fla_is_a_clear_error(monkeypatch):
         configure(object(), None)
 
 
+@pytest.mark.slow
 def test_example_yaml_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     check_example_yaml_runs(tmp_path, "tiny-gla")

@@ -38,6 +38,7 @@ MODELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, init", [("tiny-mamba2", "pissa"), ("tiny-mamba", "default")])
 def test_mamba_trains_through_the_cli_and_resumes_exactly(tmp_path, capsys, model, init):
     """Mamba-2 with PiSSA (its residual base weights are rebuilt identically on resume), Mamba-1 on mambapy."""
@@ -147,6 +148,7 @@ def test_mamba2_ssd_as_simple_gla_matches_transformers_reference(with_state, dt_
     assert fla_ssd_scan(x, dt, A, B, C, chunk_size=16, op=naive_simple_gla, **args).shape == x.shape
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant, init", VARIANTS)
 @pytest.mark.parametrize("model", list(MODELS))
 def test_mamba_lora_variants_train(tmp_path, model, variant, init):
@@ -155,6 +157,7 @@ def test_mamba_lora_variants_train(tmp_path, model, variant, init):
     assert adapted == set(MODELS[model]["targets"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(MODELS))
 def test_mamba_dora_on_4bit_layers_trains(tmp_path, model):
     check_variant_trains(tmp_path, model, MODELS[model]["targets"][:-1], "dora", "default", method="qlora")
@@ -296,6 +299,7 @@ def test_fla_kernels_replace_only_the_scan_and_conv(monkeypatch):
     assert modeling_mamba2.mamba2_split_conv1d_scan_combined is fused
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-mamba2", "tiny-mamba"])
 def test_example_yaml_runs(tmp_path, monkeypatch, name):
     monkeypatch.chdir(REPO)

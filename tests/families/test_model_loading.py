@@ -101,6 +101,7 @@ def test_family_comes_from_model_type_not_name():
         family_for("llama", "nope")
 
 
+@pytest.mark.slow
 def test_full_finetune_resumes_from_full_weights(write_config, tmp_path):
     config = write_config(
         {

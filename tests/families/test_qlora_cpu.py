@@ -46,6 +46,7 @@ def lora_gradients(model, batch):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.slow
 def test_nf4_layers_and_gradients_after_evaluation_match(write_config):
     from trainer.model.loading import load_for_training
 
@@ -75,6 +76,7 @@ def test_nf4_layers_and_gradients_after_evaluation_match(write_config):
     assert any(float(g.abs().sum()) > 0 for n, g in reference.items() if "lora_A" in n)
 
 
+@pytest.mark.slow
 def test_qlora_moe_without_expert_quantization_says_so(write_config, tmp_path):
     config = write_config(
         {
@@ -96,6 +98,7 @@ def test_qlora_moe_without_expert_quantization_says_so(write_config, tmp_path):
     )  # fp32 after k-bit prep
 
 
+@pytest.mark.slow
 def test_qlora_moe_quantizes_fused_experts_and_trains(write_config, tmp_path):
     config = write_config(
         {

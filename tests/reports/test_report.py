@@ -187,6 +187,7 @@ def copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_report_of_a_real_run(default_run, tmp_path):
     run = copy_run(default_run["path"], tmp_path / "default")
     result = run_trainer("report", str(run), cwd=REPO)

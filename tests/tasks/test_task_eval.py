@@ -8,13 +8,13 @@ import time
 
 import pytest
 import yaml
+from trainer.tasks.evaluate import load_task
 
 import trainer.commands.evaluate
 from tests.helpers import run_trainer
 from trainer import cli, runfolder
 from trainer.config import ConfigError, load_config
 from trainer.runfolder import iter_records
-from trainer.tasks.evaluate import load_task
 from trainer.tasks.sql_example import write_example_spider
 
 
@@ -29,6 +29,7 @@ def write_sst2(root, rows=12):
     return root
 
 
+@pytest.mark.slow
 def test_training_with_a_task_picks_best_by_its_official_metric(write_config, tmp_path):
     glue = write_sst2(tmp_path / "glue")
     config = write_config(
@@ -57,6 +58,7 @@ def test_training_with_a_task_picks_best_by_its_official_metric(write_config, tm
     assert saved[0]["metric"] == "accuracy" and saved[0]["metric_value"] == evals[0]["metrics"]["accuracy"]
 
 
+@pytest.mark.slow
 def test_evaluate_verb_scores_a_checkpoint_on_spider(write_config, tmp_path):
     spider = write_example_spider(tmp_path / "spider")
     config = write_config({"training": {"max_steps": 2, "save_steps": 100}})

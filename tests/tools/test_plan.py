@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from tests.faults import run_with_faults
@@ -29,6 +30,7 @@ def test_candidates_keep_the_effective_batch():
     assert all(c.micro * c.accum == 8 for c in shapes)
 
 
+@pytest.mark.slow
 def test_plan_rejects_oom_picks_fastest_and_writes_config(write_config, tmp_path):
     config = write_config({"training": {"micro_batch_size": 4, "gradient_accumulation_steps": 2}})
     result = plan_cli(
@@ -55,6 +57,7 @@ def test_plan_rejects_oom_picks_fastest_and_writes_config(write_config, tmp_path
     )
 
 
+@pytest.mark.slow
 def test_nothing_fits_is_a_clear_failure(write_config, tmp_path):
     config = write_config()
     result = plan_cli(config, "plan", "--plan-steps", "1", "--memory-limit-mb", "1")
@@ -64,6 +67,7 @@ def test_nothing_fits_is_a_clear_failure(write_config, tmp_path):
     assert record["chosen"] is None and {c["status"] for c in record["candidates"]} == {"over_margin"}
 
 
+@pytest.mark.slow
 def test_train_auto_plan_trains_with_the_choice(write_config, tmp_path):
     config = write_config(
         {"training": {"max_steps": 2, "micro_batch_size": 2, "gradient_accumulation_steps": 2}}

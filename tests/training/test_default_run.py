@@ -5,9 +5,14 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from tests.helpers import REPO
 from trainer import runfolder
 from trainer.runfolder import REQUIRED_FIELDS, iter_records
+
+# Every test reads the shipped config's real run (the session's default_run).
+pytestmark = pytest.mark.slow
 
 
 def records(run, name):

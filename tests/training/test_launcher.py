@@ -41,6 +41,7 @@ def test_unknown_argument_exits_2():
     assert result.returncode == 2 and "unknown argument '--sett'" in result.stderr
 
 
+@pytest.mark.slow
 def test_runs_then_resumes_by_itself(write_config, tmp_path):
     config = write_config({"training": {"max_steps": 2, "save_steps": 100}})
     first = launch("--config", str(config), cwd=tmp_path)

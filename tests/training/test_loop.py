@@ -20,6 +20,7 @@ def training_records(run):
     return list(iter_records(run / "logs" / runfolder.TRAINING_LOG))
 
 
+@pytest.mark.slow
 def test_accumulation_equals_one_big_batch_with_uneven_lengths(write_config, tmp_path):
     """Instruction records of different lengths, no packing: 4 x accumulation 4 must match 16 x 1."""
     common = {
@@ -83,6 +84,7 @@ def test_schedulers_with_warmup(name, warmup, expect):
     assert seen == pytest.approx(expect[: len(seen)], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path):
     """A NaN loss at step 3 must not update the weights; the record carries null plus a flag."""
     cfg = load_config(write_config({"training": {"max_steps": 5, "save_steps": 100}}))
@@ -109,6 +111,7 @@ def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path):
     assert "NaN" not in (run / "logs" / runfolder.TRAINING_LOG).read_text()
 
 
+@pytest.mark.slow
 def test_fatal_error_is_logged_then_raised(write_config, tmp_path):
     cfg = load_config(write_config({"training": {"max_steps": 5, "save_steps": 100}}))
     calls = {"n": 0}
@@ -133,6 +136,7 @@ def test_fatal_error_is_logged_then_raised(write_config, tmp_path):
     assert info["status"] == "failed" and info["ended_at"]
 
 
+@pytest.mark.slow
 def test_step_kernels_chosen_once_drive_training_and_evaluation(write_config, tmp_path, monkeypatch):
     """The fast-path seam: kernels picked at set-up prepare the model and compute every micro-batch's
     loss, in training and in evaluation, without train() knowing which kernels they are."""

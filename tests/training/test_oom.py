@@ -35,6 +35,7 @@ def events(run, name):
     return [e for e in iter_records(run / "logs" / runfolder.EVENTS_LOG) if e["event"] == name]
 
 
+@pytest.mark.slow
 def test_oom_halves_micro_batch_keeps_effective_batch_and_replays_the_step(write_config, tmp_path):
     injected = write_config(
         merged(FIXED, {"micro_batch_size": 4, "gradient_accumulation_steps": 2}), "a.yaml", "a"
@@ -61,6 +62,7 @@ def test_oom_halves_micro_batch_keeps_effective_batch_and_replays_the_step(write
     assert state["step_shape"] == {"micro": 2, "accum": 4, "split_length": None}
 
 
+@pytest.mark.slow
 def test_micro_batch_one_splits_rows_instead_of_dropping(write_config, tmp_path):
     config = write_config(merged(FIXED, {"micro_batch_size": 1, "gradient_accumulation_steps": 2}))
     result = train_with(config, "train:2")
@@ -73,6 +75,7 @@ def test_micro_batch_one_splits_rows_instead_of_dropping(write_config, tmp_path)
     assert all(records[s]["loss"] is not None for s in records)
 
 
+@pytest.mark.slow
 def test_bounded_retries_then_clear_failure_with_checkpoint(write_config, tmp_path):
     config = write_config({**FIXED, "memory": {"max_oom_retries": 1}})
     failed = train_with(config, "train:5,train:5")  # step 5 fails, and its one allowed retry fails too

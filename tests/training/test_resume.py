@@ -45,6 +45,7 @@ def assert_same_losses(run, reference):
         assert abs(resumed[step] - loss) < 1e-6, (step, resumed[step], loss)
 
 
+@pytest.mark.slow
 def test_sigkill_after_checkpoint_then_resume_is_exact(write_config, tmp_path, reference):
     config = write_config()
     run = tmp_path / "run"
@@ -64,6 +65,7 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(write_config, tmp_path, r
     assert info["status"] == "finished" and info["resumes"] == 1
 
 
+@pytest.mark.slow
 def test_crash_during_save_leaves_no_checkpoint_that_resume_would_take(write_config, tmp_path, reference):
     config = write_config()
     run = tmp_path / "run"
@@ -80,6 +82,7 @@ def test_crash_during_save_leaves_no_checkpoint_that_resume_would_take(write_con
     assert_same_losses(run, reference)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_saves_a_checkpoint_and_exits_cleanly(write_config, tmp_path, signum, code, reference):
     config = write_config({"training": {"save_steps": 100}})

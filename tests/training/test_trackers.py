@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.helpers import TINY, run_trainer
 from trainer import runfolder
+
+# The test trains a run and compares its TensorBoard events with its logs.
+pytestmark = pytest.mark.slow
 
 
 def scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
