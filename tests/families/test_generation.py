@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainer.tasks.generation import generate_texts
 
 from tests.helpers import REPO, run_trainer
 from tests.tasks.test_task_eval import write_sst2
@@ -13,6 +12,7 @@ from trainer import runfolder
 from trainer.config import load_config
 from trainer.model.loading import load_for_training
 from trainer.runfolder import iter_records
+from trainer.training.generation import generate_texts
 
 FAMILIES = {
     "gla": "configs/tiny-gla.yaml",

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers import REPO
 from trainer.tasks import get_task
-from trainer.tasks.generation import evaluate_task, generate, generate_texts, max_positions
+from trainer.training.generation import evaluate_task, generate, generate_texts, max_positions
 
 CONFIGS = REPO / "configs"
 PROMPTS = [

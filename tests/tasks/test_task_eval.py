@@ -8,7 +8,6 @@ import time
 
 import pytest
 import yaml
-from trainer.tasks.evaluate import load_task
 
 import trainer.commands.evaluate
 from tests.helpers import run_trainer
@@ -16,6 +15,7 @@ from trainer import cli, runfolder
 from trainer.config import ConfigError, load_config
 from trainer.runfolder import iter_records
 from trainer.tasks.sql_example import write_example_spider
+from trainer.training.task_eval import load_task
 
 
 def write_sst2(root, rows=12):

@@ -74,11 +74,11 @@ def evaluate_checkpoint(cfg, checkpoint: Path, with_loss: bool = True) -> dict:
 
     from trainer.data.dataset import prepare_data
     from trainer.model.loading import load_for_training
-    from trainer.tasks.evaluate import evaluate_generation, load_task
     from trainer.training.checkpoint_files import CheckpointInfo, read_state
     from trainer.training.checkpointing import load_checkpoint_weights, model_source
     from trainer.training.evaluation import evaluate_loss
     from trainer.training.step import choose_kernels
+    from trainer.training.task_eval import evaluate_generation, load_task
 
     accelerator = Accelerator(mixed_precision=cfg.training.mixed_precision)
     state = read_state(checkpoint) if (checkpoint / "trainer_state.json").is_file() else {"step": None}

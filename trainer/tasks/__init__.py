@@ -3,9 +3,6 @@
 ``get_task(name, data_dir)`` builds one; every task has ``load(split)``, ``prompt(example)``,
 ``target(example)``, ``score(predictions, examples)`` and ``metric_for_best``. Import-light
 (standard library only), so tools can list tasks without torch.
-
-Beside the tasks: ``generation`` (batched, left-padded ``model.generate()``) and ``evaluate`` (a task
-evaluated across ranks, and the metric for "best"), which import torch and the config when used.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ from trainer.config import Config
 from trainer.data.dataset import Sequence, collate
 from trainer.runfolder import EvalRecord, MetricForBest
 from trainer.runfolder import metric_value as runfolder_metric_value
-from trainer.tasks.evaluate import evaluate_generation
 from trainer.training.faults import Faults
 from trainer.training.oom_retry import free_memory, is_oom
 from trainer.training.step import LossFn, count_targets
+from trainer.training.task_eval import evaluate_generation
 
 
 @torch.no_grad()

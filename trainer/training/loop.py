@@ -23,7 +23,6 @@ from trainer.model.loading import load_for_training
 from trainer.monitor.experts import ExpertCounter
 from trainer.monitor.notify import Notifier
 from trainer.monitor.telemetry import TelemetrySampler
-from trainer.tasks.evaluate import load_task, resolve_metric
 from trainer.training import checkpoint_files as ckpt
 from trainer.training import console, run_status, trackers
 from trainer.training.checkpointing import (
@@ -41,6 +40,7 @@ from trainer.training.optim import make_optimizer, make_scheduler
 from trainer.training.signals import StopFlag
 from trainer.training.step import Step, StepShape, choose_kernels, next_step_rows
 from trainer.training.step_log import StepLog
+from trainer.training.task_eval import load_task, resolve_metric
 
 # ---------------------------------------------------------------- set-up steps
 

@@ -1,8 +1,8 @@
-"""Evaluation: generation-based task metrics across all ranks, the task and the metric for "best".
+"""Task evaluation: generation-based task metrics across all ranks, the task and the metric for "best".
 
 Generation is sharded over processes and gathered before scoring, so every rank agrees on the best
-checkpoint. Task scoring uses trainer/tasks (official GLUE and Spider metrics). The validation loss
-lives beside the training step, in trainer/training/evaluation.py, since it uses the step's loss.
+checkpoint. Task scoring uses trainer/tasks (official GLUE and Spider metrics); generating is
+``generation``. The validation loss is ``evaluation``, since it uses the step's loss.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def evaluate_generation(model, tokenizer, task, examples: list[dict], cfg: Confi
     """Each rank generates for its share of the examples; predictions are gathered in order, then scored."""
     from accelerate.utils import gather_object
 
-    from trainer.tasks.generation import generate
+    from trainer.training.generation import generate
 
     world, rank = accelerator.num_processes, accelerator.process_index
     mine = list(range(rank, len(examples), world))
