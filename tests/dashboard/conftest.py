@@ -1,4 +1,5 @@
-"""The dashboard tests' fixtures: a log root of hand-made run folders, and the app and client over it."""
+"""The dashboard tests' fixtures: a log root of hand-made run folders, the app and client over it, and
+the run folder of the session's real default run."""
 
 from __future__ import annotations
 
@@ -23,3 +24,9 @@ def app(log_root: Path):
 @pytest.fixture
 def client(app):
     return app.test_client()
+
+
+@pytest.fixture(scope="session")
+def trained_run(default_run) -> Path:
+    """A run folder produced by the real trainer (``default_run``, from tests/conftest.py)."""
+    return default_run["path"]
