@@ -200,6 +200,7 @@ def test_gla_qlora_quantizes_every_linear_and_keeps_gradients_right(tmp_path):
     check_qlora_gradients(model, collate(rows, 0), expected_tensors=2 * 2 * 5, every_one_nonzero=False)
 
 
+@pytest.mark.slow
 def test_gla_pissa_on_4bit_is_exit_2_before_loading(tmp_path, capsys, monkeypatch):
     from trainer.model import loading
 

@@ -194,6 +194,7 @@ def test_mamba_qlora_keeps_directly_read_weights_unquantized_and_gradients_right
     check_qlora_gradients(peft_model, collate(rows, 0), expected_tensors=2 * 2 * len(targets))
 
 
+@pytest.mark.slow
 def test_mamba_out_proj_target_is_exit_2_before_loading(tmp_path, capsys, monkeypatch):
     from trainer.model import loading
 

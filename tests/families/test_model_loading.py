@@ -49,6 +49,7 @@ def test_local_folder_loads_its_weights(write_config, saved_model):
     assert loaded.report["trainable_params"] == loaded.report["total_params"]
 
 
+@pytest.mark.slow
 def test_missing_weights_names_the_folder(write_config, saved_model):
     (saved_model / "model.safetensors").unlink()
     result = run_trainer(
@@ -83,6 +84,7 @@ def test_missing_tokenizer_is_named(write_config, tmp_path):
         load_for_training(cfg, torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_hub_id_offline_is_one_clear_line(write_config, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = run_trainer(

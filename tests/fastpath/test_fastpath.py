@@ -165,6 +165,7 @@ def test_fast_path_is_refused_on_cpu_and_off_is_respected():
     assert not report.enabled and report.reason == "not a CUDA device" and not enabled(model)
 
 
+@pytest.mark.slow
 def test_fast_path_on_without_cuda_is_a_one_line_config_error(write_config):
     from tests.helpers import run_trainer
 

@@ -241,6 +241,7 @@ def overlaps(intervals: list[tuple[float, float]]) -> int:
     return most
 
 
+@pytest.mark.slow
 def test_slots_per_gpu_are_honoured_and_locks_record_the_job(fake):
     path = fake(
         {"grid": {"lora.r": [1, 2, 3, 4, 5, 6, 7]}, "set": {"training.max_steps": 4}},
@@ -277,6 +278,7 @@ def test_slots_per_gpu_are_honoured_and_locks_record_the_job(fake):
     assert len([n for n in notes(fake.dir) if n["event"] == "start"]) == 7
 
 
+@pytest.mark.slow
 def test_two_sweeps_at_once_start_each_job_once(fake):
     path = fake(
         {"grid": {"lora.r": [1, 2, 3, 4]}, "set": {"training.max_steps": 3}},
@@ -292,6 +294,7 @@ def test_two_sweeps_at_once_start_each_job_once(fake):
     assert "running elsewhere" in out1 + out2
 
 
+@pytest.mark.slow
 def test_stale_lock_is_taken_over_and_a_live_one_waited_for(fake):
     path = fake({"grid": {"lora.r": [1, 2]}, "set": {"training.max_steps": 2}})
     stale_dir, live_dir = fake.root / "base_r1", fake.root / "base_r2"
@@ -332,6 +335,7 @@ def test_stale_lock_is_taken_over_and_a_live_one_waited_for(fake):
     assert [n["job"] for n in notes(fake.dir) if n["event"] == "start"] == ["base_r1"]
 
 
+@pytest.mark.slow
 def test_failed_job_is_retried_then_reported_with_its_log(fake):
     path = fake(
         {"grid": {"lora.r": [1, 2, 3]}, "set": {"training.max_steps": 3}, "retries": 1},
@@ -359,6 +363,7 @@ def test_failed_job_is_retried_then_reported_with_its_log(fake):
     assert any("boom" in line for line in jobs["base_r1"]["last_log_lines"])
 
 
+@pytest.mark.slow
 def test_killed_sweep_restarts_without_redoing_finished_jobs(fake):
     path = fake(
         {
@@ -393,6 +398,7 @@ def test_killed_sweep_restarts_without_redoing_finished_jobs(fake):
         assert status.job_finished(d)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_jobs_cleanly_and_says_so(fake):
     path = fake({"set": {"training.max_steps": 100}}, {"default": {"step_seconds": 0.05}})
     proc = start_sweep(str(path), "--gpus", "cpu", cwd=fake.dir)

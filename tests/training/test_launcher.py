@@ -54,6 +54,7 @@ def test_runs_then_resumes_by_itself(write_config, tmp_path):
     assert info["status"] == "finished" and info["step"] == 4 and info["resumes"] == 1
 
 
+@pytest.mark.slow
 def test_resume_from_a_wrong_path_is_exit_2(write_config, tmp_path):
     result = launch("--config", str(write_config()), "--resume_from", str(tmp_path / "missing"))
     assert result.returncode == 2 and "--resume_from: path not found" in result.stderr

@@ -104,6 +104,7 @@ def test_signal_saves_a_checkpoint_and_exits_cleanly(write_config, tmp_path, sig
     assert_same_losses(run, reference)
 
 
+@pytest.mark.slow
 def test_resume_from_wrong_path_is_a_clear_error(write_config, tmp_path):
     config = write_config()
     result = run_trainer("train", "--config", str(config), "--resume_from", str(tmp_path / "nope"))
