@@ -104,7 +104,7 @@ while true; do
   code=$?
   # 0 done, 2 bad input, 3 refused: the trainer has said why; nothing to add or retry.
   case "$code" in 0|2|3) exit "$code" ;; esac
-  python -m trainer.exit_report --code "$code" --since "$started" "${config_args[@]}" -- "${resume_command[@]}" >&2
+  python -m trainer.reports.exit_report --code "$code" --since "$started" "${config_args[@]}" -- "${resume_command[@]}" >&2
   # 130/143: stopped on purpose by a signal (after saving); never retried.
   case "$code" in 130|143) exit "$code" ;; esac
   if [ "$attempt" -ge "$max_restarts" ]; then exit "$code"; fi

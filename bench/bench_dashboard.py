@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from trainer import runlog  # noqa: E402
+from trainer import runfolder as runlog  # noqa: E402
 
 RUN = "bench-run"
 ABOUT = (

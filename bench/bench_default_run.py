@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from trainer.runlog import iter_records  # noqa: E402
+from trainer.runfolder import iter_records  # noqa: E402
 
 
 def main() -> None:

@@ -263,7 +263,7 @@ def timed_training(loaded, cfg, row: Row, seq: int, steps: int, device, vocab: i
     """Warm-up, then ``steps`` timed optimizer steps on one random batch; the reference check last."""
     import torch
 
-    from trainer.data import Sequence, collate
+    from trainer.data.dataset import Sequence, collate
     from trainer.training.step import choose_kernels, count_targets
 
     cuda = device.type == "cuda"
@@ -313,7 +313,7 @@ def timed_training(loaded, cfg, row: Row, seq: int, steps: int, device, vocab: i
 def run_row(row: Row, steps: int, seq: int, smoke: bool) -> dict:
     import torch
 
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

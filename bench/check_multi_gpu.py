@@ -19,7 +19,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from trainer.runlog import iter_records, last_per_step  # noqa: E402
+from trainer.runfolder import iter_records, last_per_step  # noqa: E402
 
 
 def config(out: Path, model: str, micro: int, steps: int, random_init: bool) -> Path:

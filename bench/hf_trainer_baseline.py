@@ -32,7 +32,7 @@ def main() -> None:
     )
 
     from trainer.config import DataConfig, PathsConfig
-    from trainer.data import prepare_data
+    from trainer.data.dataset import prepare_data
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)

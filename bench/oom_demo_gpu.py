@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_core_gpu import LLAMA_1B, model_dir  # noqa: E402
 
-from trainer.runlog import iter_records  # noqa: E402
+from trainer.runfolder import iter_records  # noqa: E402
 
 
 def main() -> None:

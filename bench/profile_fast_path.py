@@ -73,7 +73,7 @@ class Accel:
 
 
 def build(args, out, fast):
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
 
     args.fast = fast
     cfg = make_cfg(args, out)

@@ -25,8 +25,6 @@ from .runs import RunRegistry, StallPolicy
 if TYPE_CHECKING:
     from .plot_cache import PlotCache
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-
 
 def _finite(value):
     """NaN and infinities as null, at any depth: the API always emits standard JSON."""
@@ -62,13 +60,11 @@ class DashboardState:
 def create_app(log_root: str | os.PathLike | None = None, test_config: dict | None = None) -> Flask:
     """Build the app for the run folders under ``log_root`` (default: $DASHBOARD_LOGDIR, else ./runs)."""
     from . import api, auth, overview, views  # here, so `python -m dashboard --help` stays quick
+    from .assets import asset_root
     from .plot_cache import PlotCache
 
-    app = Flask(
-        __name__,
-        template_folder=str(PACKAGE_ROOT / "templates"),
-        static_folder=str(PACKAGE_ROOT / "static"),
-    )
+    assets = asset_root()
+    app = Flask(__name__, template_folder=str(assets / "templates"), static_folder=str(assets / "static"))
     app.json = StrictJSONProvider(app)
     app.config.from_mapping(
         DASHBOARD_TOKEN=os.environ.get("DASHBOARD_TOKEN") or None,

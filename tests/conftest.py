@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny configs written to tmp folders, and one real default run per test session."""
+"""Shared fixtures: tiny configs written to tmp folders, and one real default run per test session.
+
+Fixtures that only one area uses live in that area's conftest.py (tests/dashboard/conftest.py, ...)."""
 
 from __future__ import annotations
 
@@ -36,9 +38,3 @@ def default_run(tmp_path_factory):
     wall = time.time() - started
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return {"path": out, "stdout": result.stdout, "stderr": result.stderr, "wall": wall}
-
-
-@pytest.fixture(scope="session")
-def trained_run(default_run) -> Path:
-    """A run folder produced by the real trainer (used by the dashboard tests)."""
-    return default_run["path"]

@@ -1,1 +1,1 @@
-"""Fine-tuning kit trainer package: config, families, data, loop, checkpoints, run logs."""
+"""Fine-tuning kit trainer: ``python -m trainer <verb>``; docs/architecture.md maps its packages."""

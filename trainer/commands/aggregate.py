@@ -28,8 +28,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from trainer.aggregate import aggregate, find_run_folders, markdown, write_outputs
     from trainer.cli import EXIT_BAD_INPUT
+    from trainer.reports.aggregate import aggregate, find_run_folders, markdown, write_outputs
 
     root = Path(args.root).expanduser()
     if not root.is_dir():

@@ -26,8 +26,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from trainer import hub
     from trainer.cli import EXIT_BAD_INPUT
+    from trainer.tools import hub
 
     def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
         print(f"error: {message}", file=sys.stderr)

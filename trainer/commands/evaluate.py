@@ -62,7 +62,7 @@ def run(args) -> int:
 
 def _finite(results: dict) -> dict:
     """NaN/inf (an undefined loss) as null, named in ``nonfinite``, as the run folder's logs write them."""
-    from trainer.runlog import clean_value
+    from trainer.runfolder import clean_value
 
     nonfinite: list[str] = []
     cleaned = clean_value(results, "", nonfinite)
@@ -72,13 +72,13 @@ def _finite(results: dict) -> dict:
 def evaluate_checkpoint(cfg, checkpoint: Path, with_loss: bool = True) -> dict:
     from accelerate import Accelerator
 
-    from trainer.checkpoints import CheckpointInfo, read_state
-    from trainer.data import prepare_data
-    from trainer.evaluate import evaluate_generation, load_task
-    from trainer.modeling import load_for_training
+    from trainer.data.dataset import prepare_data
+    from trainer.model.loading import load_for_training
+    from trainer.training.checkpoint_files import CheckpointInfo, read_state
     from trainer.training.checkpointing import load_checkpoint_weights, model_source
     from trainer.training.evaluation import evaluate_loss
     from trainer.training.step import choose_kernels
+    from trainer.training.task_eval import evaluate_generation, load_task
 
     accelerator = Accelerator(mixed_precision=cfg.training.mixed_precision)
     state = read_state(checkpoint) if (checkpoint / "trainer_state.json").is_file() else {"step": None}

@@ -41,8 +41,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from trainer.cli import EXIT_BAD_INPUT
-    from trainer.export import ExportError, export, push_to_hub
-    from trainer.hub import parse_size
+    from trainer.tools.export import ExportError, export, push_to_hub
+    from trainer.tools.hub import parse_size
 
     try:
         max_shard_size = parse_size(args.max_shard_size)

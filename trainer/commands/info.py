@@ -42,7 +42,7 @@ def output_dir_from(args) -> str:
 
 
 def run(args) -> int:
-    from trainer.hardware import format_text, gather
+    from trainer.tools.hardware import format_text, gather
 
     info = gather(output_dir_from(args))
     print(json.dumps(info, indent=2) if args.json else format_text(info))

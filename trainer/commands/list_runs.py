@@ -1,6 +1,6 @@
 """``list``: recent runs under a folder, with status, model, steps, best metric, size on disk and age.
 
-Reads run folders through trainer.runinfo (no torch import): safe to run beside a training job.
+Reads run folders through trainer.reports.runinfo (no torch import): safe to run beside a training job.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def human_age(seconds) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    from trainer.hub import human_bytes
+    from trainer.tools.hub import human_bytes
 
     header = ("RUN", "STATUS", "MODEL", "METHOD", "STEPS", "BEST", "SIZE", "UPDATED")
     lines = [header]
@@ -70,7 +70,7 @@ def run(args) -> int:
     if args.limit < 0:
         print(f"error: --limit: expected >= 0, got {args.limit}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from trainer.runinfo import describe, find_runs
+    from trainer.reports.runinfo import describe, find_runs
 
     now = time.time()
     rows = [describe(run_dir, root, now) for run_dir in find_runs(root)]

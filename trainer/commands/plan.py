@@ -54,7 +54,7 @@ def free_sibling(out: Path) -> Path:
 
 def refusal(out: Path, verb: str) -> str | None:
     """One line when ``out`` holds checkpoints (a run a new shape would corrupt), else None."""
-    from trainer.checkpoints import list_checkpoints
+    from trainer.training.checkpoint_files import list_checkpoints
 
     checkpoints = list_checkpoints(out)
     if not checkpoints:
@@ -86,7 +86,7 @@ def run(args) -> int:
 
 def recorded_plan(cfg):
     """The config with the choice already recorded in ``<output_dir>/plan.json``, else None."""
-    from trainer.planner import Candidate, apply_plan
+    from trainer.tools.planner import Candidate, apply_plan
 
     try:
         chosen = json.loads((Path(cfg.paths.output_dir) / PLAN_JSON).read_text()).get("chosen")
@@ -98,7 +98,7 @@ def recorded_plan(cfg):
 def plan_and_record(cfg, args):
     """Run the planner, print the table, write plan.json; the chosen config, or None when nothing fits."""
     from trainer.config import ConfigError
-    from trainer.planner import apply_plan, plan
+    from trainer.tools.planner import apply_plan, plan
 
     try:
         lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [cfg.data.max_length]

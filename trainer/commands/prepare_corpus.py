@@ -55,7 +55,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from trainer.cli import EXIT_BAD_INPUT
-    from trainer.corpus import CorpusError, Options, build_corpus, format_summary
+    from trainer.data.corpus import CorpusError, Options, build_corpus, format_summary
 
     options = Options(
         priority_dir=Path(args.priority_dir) if args.priority_dir else None,

@@ -1,5 +1,5 @@
 """``preprocess --analyze-only``: token-length distribution and truncation/splitting costs, written as
-``<output_dir>/data_report.json`` and ``data_report.md`` (see trainer/length_report.py)."""
+``<output_dir>/data_report.json`` and ``data_report.md`` (see trainer/data/length_report.py)."""
 
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ def run(args) -> int:
         print(f"--max-records: expected >= 1, got {args.max_records}", file=sys.stderr)
         return EXIT_BAD_INPUT
     config = load_config_from_args(args)
-    from trainer.data import DataError
+    from trainer.data.dataset import DataError
+    from trainer.data.length_report import analyze, summary_line, write_data_report
     from trainer.families import ModelLoadError
-    from trainer.length_report import analyze, summary_line, write_data_report
-    from trainer.modeling import load_tokenizer
+    from trainer.model.loading import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(config)

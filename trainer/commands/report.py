@@ -17,7 +17,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from trainer.cli import EXIT_BAD_INPUT
-    from trainer.report import ReportError, ascii_loss_curve, write_report
+    from trainer.reports.report import ReportError, ascii_loss_curve, write_report
 
     run_dir = Path(args.run)
     try:

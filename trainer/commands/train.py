@@ -43,8 +43,8 @@ def register(subparsers) -> None:
 
 def finished_run_decision(config, extend: bool) -> tuple[int | None, str]:
     """(exit code to stop with, or None to train; the line to print) for the run in paths.output_dir."""
-    from trainer.checkpoints import finished_run
     from trainer.cli import EXIT_BAD_INPUT
+    from trainer.training.checkpoint_files import finished_run
 
     out = Path(config.paths.output_dir)
     finished = finished_run(out)
@@ -75,11 +75,11 @@ def finished_run_decision(config, extend: bool) -> tuple[int | None, str]:
 
 def run(args) -> int:
     config = load_config_from_args(args)
-    from trainer.checkpoints import CheckpointError, list_checkpoints
     from trainer.cli import EXIT_BAD_INPUT, EXIT_RUN_EXISTS
-    from trainer.data import DataError
+    from trainer.data.dataset import DataError
     from trainer.families import ModelLoadError
-    from trainer.loop import train
+    from trainer.training.checkpoint_files import CheckpointError, list_checkpoints
+    from trainer.training.loop import train
 
     resume = args.resume_from or ("latest" if args.resume else None)
     stop_with, message = finished_run_decision(config, args.extend)

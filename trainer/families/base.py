@@ -63,7 +63,7 @@ class Family:
     block-diagonal mask from restarting ``position_ids``; models that ignore positions
     (linear attention, convolutions) must say False unless they take explicit boundaries.
 
-    Hooks, called in this order by ``modeling.load_for_training`` and the step's loss (training/step.py):
+    Hooks, called in this order by ``loading.load_for_training`` and the step's loss (training/step.py):
     ``configure(hf_config, cfg)`` returns the model config adjusted for this run and machine;
     ``kernel_path(hf_config)`` names the implementation that will run (the ``model_report`` event);
     ``check_lora(cfg, hf_config, targets)`` raises ``ModelLoadError`` for LoRA settings the family

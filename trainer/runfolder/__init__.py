@@ -12,7 +12,7 @@ so dependencies run trainer -> run folder <- dashboard. docs/run-folder.md descr
 - ``columns``, ``rundata``, ``summaries``: a run folder held in memory and refreshed incrementally
   (the dashboard's model, also used by reports).
 - ``series``, ``plots``: downsampling, smoothing and matplotlib figures of a run (need numpy and
-  matplotlib, so they are imported only by code that draws: the dashboard and ``trainer.report``).
+  matplotlib, so they are imported only by code that draws: the dashboard and ``trainer.reports.report``).
 
 This module re-exports the names most code needs: ``from trainer import runfolder`` then
 ``runfolder.EVAL_LOG``, ``runfolder.iter_records(...)``, ``runfolder.best_evaluation(...)``.

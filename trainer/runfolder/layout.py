@@ -9,8 +9,8 @@ from pathlib import Path
 
 RUN_JSON = "run.json"
 CONFIG_YAML = "config.yaml"
-DATA_REPORT_JSON = "data_report.json"  # token-length report (trainer.length_report)
-REPORT_DIR = "report"  # end-of-run report (trainer.report)
+DATA_REPORT_JSON = "data_report.json"  # token-length report (trainer.data.length_report)
+REPORT_DIR = "report"  # end-of-run report (trainer.reports.report)
 LOGS_DIR = "logs"
 TRAINING_LOG = "training_log.jsonl"
 EVAL_LOG = "eval_log.jsonl"

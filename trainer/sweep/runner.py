@@ -6,6 +6,9 @@ process elsewhere are waited for, and a restarted job resumes from its latest ch
 trainer does that by itself). SIGINT/SIGTERM forward one SIGTERM to every job (the trainer saves
 a checkpoint and exits); a second signal kills them. Should the sweep itself be killed outright,
 its jobs get SIGTERM from the kernel (Linux parent-death signal) and stop the same way.
+
+Over 400 lines on purpose: ``Runner`` is one state machine (slots, locks, retries, signals,
+the table) whose transitions are easiest to check when they are read in one place.
 """
 
 from __future__ import annotations

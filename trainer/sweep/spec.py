@@ -3,6 +3,9 @@
 Every job gets a readable name built from what makes it different (``glue-lora_sst2_r8_seed1``),
 the same every time the file is read, and its own folder ``<root>/<name>``. Relative paths are
 read from the working directory, as the trainer's own config does. docs/sweeps.md has the format.
+
+Over 400 lines on purpose: every field of the sweep file is checked here, each with its own
+``file:line`` message, and job naming depends on those same checked values.
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ def normalize_key(key: Any, value: Any, where: str) -> tuple[str, Any]:
         )
     if section not in hints or name not in hints[section]:
         from trainer.config import SECTIONS
-        from trainer.config_errors import suggest_key, suggest_section
+        from trainer.config.errors import suggest_key, suggest_section
 
         if section not in hints:
             hint = suggest_section(section, SECTIONS)
@@ -344,7 +347,7 @@ def _int(raw: Any, where: str, default: int, low: int = 0) -> int:
 
 
 def read_sweep_file(path: Path) -> dict:
-    from trainer.yamlfile import read_yaml
+    from trainer.config.yamlfile import read_yaml
 
     raw, lines = read_yaml(path, SweepError, what="sweep file")
     if not isinstance(raw, dict):

@@ -7,7 +7,10 @@
 - ``optim``: optimizer and learning-rate schedule.
 - ``oom_retry``: out-of-memory fallback (smaller micro-batch or shorter rows, same rows per step).
 - ``checkpointing``: what a checkpoint holds, resume, retention and the best copy.
+- ``checkpoint_files``: the files: atomic save, discovery of the latest complete one, pruning, copies.
 - ``evaluation``: validation loss and task metrics during training, and the rule for "best".
+- ``task_eval`` and ``generation``: a task (trainer/tasks) scored on ``model.generate()`` across ranks;
+  also what ``python -m trainer evaluate`` runs.
 - ``signals``: SIGTERM/SIGINT as a request to checkpoint and stop.
 - ``step_log``: the per-step training record, expert usage and the progress bar.
 - ``run_status``: run.json and the run_start/run_end events.

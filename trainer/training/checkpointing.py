@@ -1,6 +1,6 @@
 """Checkpoint bookkeeping for the loop: what a checkpoint records, resuming from one, retention, best copy.
 
-The file-level work (atomic save, discovery, pruning, the best copy) is ``trainer/checkpoints.py``;
+The file-level work (atomic save, discovery, pruning, the best copy) is ``trainer/training/checkpoint_files.py``;
 this module decides what goes in and what happens around a save.
 """
 
@@ -10,9 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer import checkpoints as ckpt
-from trainer import runlog
+from trainer import runfolder
 from trainer.config import Config
+from trainer.training import checkpoint_files as ckpt
 from trainer.training.evaluation import best_is, metric_value
 from trainer.training.faults import NO_FAULTS, Faults
 from trainer.training.step import Position, StepShape
@@ -107,7 +107,7 @@ class Checkpointer:
     tokenizer: object
     cfg: Config
     output_dir: Path
-    log: runlog.RunLog
+    log: runfolder.RunLog
     faults: Faults = NO_FAULTS
 
     def save(self, kind: str, state: LoopState) -> None:
@@ -117,7 +117,7 @@ class Checkpointer:
         is_better = best_is(saved["metric_value"], state.best, cfg)
         if is_better:
             saved["best_metric"] = saved["metric_value"]
-        prefix = runlog.FINAL_PREFIX if kind == "final" else runlog.CHECKPOINT_PREFIX
+        prefix = runfolder.FINAL_PREFIX if kind == "final" else runfolder.CHECKPOINT_PREFIX
         path = ckpt.save_checkpoint(
             self.accelerator,
             self.model,
@@ -139,7 +139,7 @@ class Checkpointer:
             metric_value=saved["metric_value"],
             kind=kind,
         )
-        if is_better or (kind == "final" and not (self.output_dir / runlog.BEST_ADAPTER_DIR).exists()):
+        if is_better or (kind == "final" and not (self.output_dir / runfolder.BEST_ADAPTER_DIR).exists()):
             target = ckpt.copy_best_adapter(path, self.output_dir)
             log.event(
                 "best_updated",
@@ -151,4 +151,4 @@ class Checkpointer:
         for removed in ckpt.prune_checkpoints(
             self.output_dir, cfg.training.keep_top_k, cfg.eval.greater_is_better
         ):
-            log.event("checkpoint_pruned", step=runlog.checkpoint_step(removed.name), path=str(removed))
+            log.event("checkpoint_pruned", step=runfolder.checkpoint_step(removed.name), path=str(removed))

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.data import IGNORE
+from trainer.data.dataset import IGNORE
 
 CHUNK_TOKENS = 2048
 

@@ -39,7 +39,7 @@ def announce(accelerator, cfg: Config, loaded, data, total_steps: int, resume_fr
 def length_report(cfg: Config, tokenizer, output_dir: Path, log, step: int) -> None:
     """Token-length distribution of (a sample of) the training file, at the start of every run:
     printed, written as the run folder's data report, and logged as an event."""
-    from trainer.length_report import analyze, summary_line, write_data_report
+    from trainer.data.length_report import analyze, summary_line, write_data_report
 
     report = analyze(cfg, tokenizer, max_records=2000)
     write_data_report(report, output_dir)
@@ -56,7 +56,7 @@ def length_report(cfg: Config, tokenizer, output_dir: Path, log, step: int) -> N
 
 def end_of_run_report(output_dir: Path) -> None:
     """HTML + PNG report in the run folder and an ASCII loss curve on the terminal; never fails the run."""
-    from trainer.report import ReportError, ascii_loss_curve, write_report
+    from trainer.reports.report import ReportError, ascii_loss_curve, write_report
 
     try:
         print(ascii_loss_curve(output_dir), flush=True)

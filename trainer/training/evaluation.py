@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer import runlog
+from trainer import runfolder
 from trainer.config import Config
-from trainer.data import Sequence, collate
-from trainer.evaluate import evaluate_generation
+from trainer.data.dataset import Sequence, collate
 from trainer.runfolder import EvalRecord, MetricForBest
 from trainer.runfolder import metric_value as runfolder_metric_value
 from trainer.training.faults import Faults
 from trainer.training.oom_retry import free_memory, is_oom
 from trainer.training.step import LossFn, count_targets
+from trainer.training.task_eval import evaluate_generation
 
 
 @torch.no_grad()
@@ -76,7 +76,7 @@ class Evaluator:
     pad_id: int
     loss: LossFn
     counter: object  # experts.ExpertCounter: paused, evaluation tokens are not training's routing
-    log: runlog.RunLog
+    log: runfolder.RunLog
     faults: Faults
 
     def loss_with_oom_fallback(self, step: int) -> dict | None:

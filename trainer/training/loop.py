@@ -16,15 +16,14 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoints as ckpt
-from trainer import runlog
+from trainer import runfolder
 from trainer.config import Config
-from trainer.data import prepare_data
-from trainer.evaluate import load_task, resolve_metric
-from trainer.experts import ExpertCounter
-from trainer.modeling import load_for_training
-from trainer.notify import Notifier
-from trainer.telemetry import TelemetrySampler
+from trainer.data.dataset import prepare_data
+from trainer.model.loading import load_for_training
+from trainer.monitor.experts import ExpertCounter
+from trainer.monitor.notify import Notifier
+from trainer.monitor.telemetry import TelemetrySampler
+from trainer.training import checkpoint_files as ckpt
 from trainer.training import console, run_status, trackers
 from trainer.training.checkpointing import (
     Checkpointer,
@@ -41,6 +40,7 @@ from trainer.training.optim import make_optimizer, make_scheduler
 from trainer.training.signals import StopFlag
 from trainer.training.step import Step, StepShape, choose_kernels, next_step_rows
 from trainer.training.step_log import StepLog
+from trainer.training.task_eval import load_task, resolve_metric
 
 # ---------------------------------------------------------------- set-up steps
 
@@ -229,7 +229,7 @@ def train(
     accelerator = make_accelerator(cfg)
     output_dir = prepare_output_dir(cfg, accelerator)
     resume_from = find_resume_checkpoint(cfg, resume, output_dir)
-    log = runlog.RunLog(output_dir, enabled=accelerator.is_main_process)
+    log = runfolder.RunLog(output_dir, enabled=accelerator.is_main_process)
     state = LoopState(StepShape(cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps))
     run: Run | None = None
     exit_code = 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer import runlog
+from trainer import runfolder
 from trainer.config import Config
 from trainer.training.faults import Faults
 from trainer.training.step import StepResult, StepShape
@@ -66,7 +66,7 @@ class OomFallback:
     """Runs a training step, retrying it in a smaller shape after an out-of-memory error."""
 
     cfg: Config
-    log: runlog.RunLog
+    log: runfolder.RunLog
     optimizer: object
     world: int
     is_main: bool

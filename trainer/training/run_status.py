@@ -13,7 +13,7 @@ import time
 import traceback
 from pathlib import Path
 
-from trainer import runlog
+from trainer import runfolder
 from trainer.config import Config, dump_config
 
 
@@ -30,13 +30,13 @@ def library_versions() -> dict:
 
 
 def start_run(
-    log: runlog.RunLog, cfg: Config, output_dir: Path, loaded, data, world: int, total_steps: int, step: int,
+    log: runfolder.RunLog, cfg: Config, output_dir: Path, loaded, data, world: int, total_steps: int, step: int,
     resume_from, config_source: str | None,
 ) -> None:  # fmt: skip
     """config.yaml as used, run.json (kept across resumes: id, start, resume count), the opening events."""
     if log.enabled:
-        dump_config(cfg, output_dir / runlog.CONFIG_YAML)
-    run_info = runlog.read_run_json(output_dir)
+        dump_config(cfg, output_dir / runfolder.CONFIG_YAML)
+    run_info = runfolder.read_run_json(output_dir)
     log.update_run(
         run_id=run_info.get("run_id") or f"{output_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}",
         started_at=run_info.get("started_at") or round(time.time(), 3),
@@ -65,17 +65,17 @@ def start_run(
     log.event("model_report", step=step, **loaded.report)
 
 
-def end_run(log: runlog.RunLog, status: str, step: int, final_loss, best) -> None:
+def end_run(log: runfolder.RunLog, status: str, step: int, final_loss, best) -> None:
     """A run that finished or stopped on a signal."""
     log.update_run(status=status, step=step, ended_at=round(time.time(), 3))
     log.event("run_end", step=step, status=status, final_loss=final_loss, best_metric=best)
     log.close()
 
 
-def record_failure(log: runlog.RunLog, exc: BaseException, step: int, rank: int) -> None:
+def record_failure(log: runfolder.RunLog, exc: BaseException, step: int, rank: int) -> None:
     """Fatal errors go to error_log.jsonl and run.json before the exception propagates."""
     log.write(
-        runlog.ERROR_LOG,
+        runfolder.ERROR_LOG,
         {
             "step": step,
             "type": type(exc).__name__,
@@ -85,7 +85,7 @@ def record_failure(log: runlog.RunLog, exc: BaseException, step: int, rank: int)
         },
     )
     status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-    if (log.output_dir / runlog.RUN_JSON).exists():
+    if (log.output_dir / runfolder.RUN_JSON).exists():
         log.update_run(status=status, step=step, ended_at=round(time.time(), 3))
     log.event("run_end", step=step, status=status, error=type(exc).__name__)
     log.close()

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from trainer.data import IGNORE, Sequence, collate, epoch_order
+from trainer.data.dataset import IGNORE, Sequence, collate, epoch_order
 from trainer.training import chunked_loss
 
 # ---------------------------------------------------------------- rows and micro-batches
@@ -155,7 +155,7 @@ class StepKernels:
 
 
 def reference_kernels(model, family) -> StepKernels:
-    """transformers' forward with the family's inputs; chunked cross-entropy where modeling enabled it."""
+    """transformers' forward with the family's inputs; chunked cross-entropy where model loading enabled it."""
     if chunked_loss.enabled(model):
         return StepKernels("reference-chunked-ce", ChunkedCrossEntropy(family.model_inputs))
     return StepKernels("reference", FullCrossEntropy(family.model_inputs))
@@ -171,9 +171,9 @@ def kernels_for(model, family) -> StepKernels:
 
 
 def choose_kernels(loaded, cfg, device: torch.device) -> StepKernels:
-    """The run's kernels, from what was loaded (``modeling.LoadedModel``), the config and the device.
+    """The run's kernels, from what was loaded (``loading.LoadedModel``), the config and the device.
 
-    ``modeling.load_for_training`` already decided the fast path (``performance.fast_path``, CUDA, family),
+    ``loading.load_for_training`` already decided the fast path (``performance.fast_path``, CUDA, family),
     since QLoRA's preparation differs on it; everything else is the reference."""
     return kernels_for(loaded.model, loaded.family)
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from trainer import runlog
+from trainer import runfolder
 from trainer.config import Config
 from trainer.training.checkpointing import LoopState
 from trainer.training.step import StepResult
@@ -39,7 +39,7 @@ class StepLog:
     """Writes one step's record every ``logging.interval`` steps and expert usage every ``expert_interval``."""
 
     def __init__(
-        self, cfg: Config, log: runlog.RunLog, accelerator, counter, trackers: Trackers, total_steps: int,
+        self, cfg: Config, log: runfolder.RunLog, accelerator, counter, trackers: Trackers, total_steps: int,
         train_rows: int, start_step: int,
     ):  # fmt: skip
         self.cfg, self.log, self.accelerator = cfg, log, accelerator
@@ -87,7 +87,7 @@ class StepLog:
                 record["aux_loss"] = float(accelerator.reduce(result.aux_total, "mean"))
             if skipped:
                 record["skipped"] = True
-            self.log.write(runlog.TRAINING_LOG, record)
+            self.log.write(runfolder.TRAINING_LOG, record)
             self.trackers.log_step(step, loss, lr, grad_norm)
         if self.counter.active and (step % self.cfg.logging.expert_interval == 0 or step == total):
             self.flush_experts(step)
@@ -101,7 +101,7 @@ class StepLog:
             all_reduce=lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu()
         )
         self.log.write(
-            runlog.EXPERT_LOG,
+            runfolder.EXPERT_LOG,
             {
                 "step": step,
                 "start_step": self.expert_window_start,

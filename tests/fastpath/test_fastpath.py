@@ -1,0 +1,224 @@
+"""The CUDA fast path's pieces, checked on CPU in fp32 against PEFT's own modules and eager PyTorch.
+
+The fused LoRA autograd functions run on CPU (eager elementwise ops stand in for Liger's Triton SwiGLU),
+so each is compared here with the reference path: forward output, input gradient and every LoRA gradient,
+on a bf16-free fp32 model and on a real 4-bit (bitsandbytes CPU backend) QLoRA model. The GPU benchmark
+repeats the comparison on the card, with Liger's kernels and the fused loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import REPO
+from trainer.config import load_config
+from trainer.fastpath import FastPathUnavailable, apply, enabled, wanted
+from trainer.fastpath.lora_ops import BaseWeight, lora_linear, lora_mlp
+from trainer.fastpath.patch import patch_lora_linears, patch_swiglu_mlps, unpatch
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def load(write_config, method: str, **lora):
+    from trainer.model.loading import load_for_training
+
+    lora_cfg = {"dropout": 0.0, "target_modules": ALL_LINEAR, **lora}
+    cfg = load_config(
+        write_config(
+            {
+                "model": {"name_or_path": str(REPO / "configs" / "tiny-llama")},
+                "training": {"method": method},
+                "lora": lora_cfg,
+                "quantization": {"compute_dtype": "fp32"},  # the reference's 4-bit matmul in fp32 too
+            }
+        )
+    )
+    model = load_for_training(cfg, torch.device("cpu")).model
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero, which would hide a wrong gradient for A
+            param.data.normal_(0, 0.05)
+    return model
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    out = model(inputs_embeds=embeds, labels=ids, use_cache=False)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return out.loss.detach(), embeds.grad.detach().clone(), grads
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_fused_lora_model_matches_peft_in_fp32(write_config, method):
+    model = load(write_config, method)
+    ids = torch.randint(3, 1024, (2, 24))
+    ref_loss, ref_dx, ref_grads = loss_and_grads(model, ids)
+    mlps = patch_swiglu_mlps(model)
+    patched, skipped = patch_lora_linears(model)
+    assert (mlps, patched, skipped) == (2, 14, 0)
+    loss, dx, grads = loss_and_grads(model, ids)
+    assert abs(float(loss - ref_loss)) < 1e-5
+    assert rel_err(dx, ref_dx) < 1e-5
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 7 * 2
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) < 1e-5, name
+    unpatch(model)
+    assert not any("forward" in m.__dict__ for m in model.modules() if hasattr(m, "lora_A"))
+
+
+def test_ineligible_modules_keep_pefts_forward(write_config):
+    """DoRA (a LoRA variant) and dropout change the maths: those modules must stay on PEFT's path."""
+    dora = load(write_config, "lora", variant="dora")
+    assert patch_swiglu_mlps(dora) == 0
+    assert patch_lora_linears(dora) == (0, 14)
+    dropout = load(write_config, "lora", dropout=0.1)
+    assert patch_lora_linears(dropout) == (0, 14)
+
+
+def test_lora_linear_with_bias_and_4bit_base_matches_eager():
+    bnb = pytest.importorskip("bitsandbytes")
+    import bitsandbytes.functional as bnbf
+
+    torch.manual_seed(1)
+    q, state = bnbf.quantize_4bit(torch.randn(48, 64) * 0.1, quant_type="nf4", compress_statistics=True)
+    weight = bnb.nn.Params4bit(
+        q, requires_grad=False, quant_state=state, bnb_quantized=True, quant_type="nf4"
+    )
+    bias = torch.randn(48)
+    dense = bnbf.dequantize_4bit(q, state).float()
+    a = (torch.randn(8, 64) * 0.1).requires_grad_(True)
+    b = (torch.randn(48, 8) * 0.1).requires_grad_(True)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    out = lora_linear(x, a, b, BaseWeight(weight, bias), 2.0)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    got = (out.detach(), x.grad.clone(), a.grad.clone(), b.grad.clone())
+    for t in (x, a, b):
+        t.grad = None
+    ref = x @ dense.t() + bias + 2.0 * (x @ a.t()) @ b.t()
+    ref.backward(grad)
+    for mine, theirs in zip(got, (ref.detach(), x.grad, a.grad, b.grad)):
+        assert rel_err(mine, theirs) < 1e-5
+
+
+def test_lora_mlp_matches_eager_swiglu():
+    torch.manual_seed(2)
+    hidden, inter, r = 32, 80, 4
+    weights = [
+        torch.randn(inter, hidden) * 0.1,
+        torch.randn(inter, hidden) * 0.1,
+        torch.randn(hidden, inter) * 0.1,
+    ]
+    loras = [
+        (
+            (torch.randn(r, w.shape[1]) * 0.1).requires_grad_(True),
+            (torch.randn(w.shape[0], r) * 0.1).requires_grad_(True),
+        )
+        for w in weights
+    ]
+    scales = (0.5, 1.5, 2.0)
+    x = torch.randn(2, 7, hidden, requires_grad=True)
+    parts = [(a, b, BaseWeight(w, None), s) for (a, b), w, s in zip(loras, weights, scales)]
+    out = lora_mlp(x, *parts)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    leaves = [x] + [t for pair in loras for t in pair]
+    got = [out.detach()] + [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+
+    def proj(inp, i):
+        (a, b), w, s = loras[i], weights[i], scales[i]
+        return inp @ w.t() + s * (inp @ a.t()) @ b.t()
+
+    ref = proj(torch.nn.functional.silu(proj(x, 0)) * proj(x, 1), 2)
+    ref.backward(grad)
+    for mine, theirs in zip(got, [ref.detach()] + [t.grad for t in leaves]):
+        assert rel_err(mine, theirs) < 1e-5
+
+
+def test_autograd_functions_pass_gradcheck_in_fp64():
+    torch.manual_seed(3)
+    w = torch.randn(6, 5, dtype=torch.float64)
+    a = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, 2, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    base = BaseWeight(w, torch.randn(6, dtype=torch.float64))
+    assert torch.autograd.gradcheck(lambda x, a, b: lora_linear(x, a, b, base, 0.7), (x, a, b))
+
+
+def test_fast_path_is_refused_on_cpu_and_off_is_respected():
+    cpu = torch.device("cpu")
+    assert wanted("auto", cpu) is False
+    assert wanted("off", cpu) is False
+    with pytest.raises(FastPathUnavailable, match="performance.fast_path: on, but not a CUDA device"):
+        wanted("on", cpu)
+    model = torch.nn.Linear(2, 2)
+    report = apply(model, "auto", cpu)
+    assert not report.enabled and report.reason == "not a CUDA device" and not enabled(model)
+
+
+@pytest.mark.slow
+def test_fast_path_on_without_cuda_is_a_one_line_config_error(write_config):
+    from tests.helpers import run_trainer
+
+    config = write_config({"performance": {"fast_path": "on"}, "training": {"max_steps": 1}})
+    result = run_trainer("train", "--config", str(config))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "performance.fast_path: on, but not a CUDA device" in result.stderr
+
+
+def test_lora_weights_are_cast_once_until_the_optimizer_changes_them():
+    from trainer.fastpath.lora_ops import cast
+
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    first = cast(param, torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and cast(param, torch.bfloat16) is first
+    param.grad = torch.ones_like(param)
+    torch.optim.SGD([param], lr=0.1).step()  # an in-place update bumps the version
+    second = cast(param, torch.bfloat16)
+    assert second is not first and torch.equal(second, param.detach().to(torch.bfloat16))
+    assert cast(param, torch.float32) is param
+
+
+def test_torch_rms_norm_matches_the_models_own():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.fastpath import use_torch_rms_norm
+
+    torch.manual_seed(4)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "configs" / "tiny-llama"))
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.weight.data.uniform_(0.5, 1.5)
+    ids = torch.randint(3, 1024, (2, 16))
+    reference = model(ids).logits
+    assert use_torch_rms_norm(model) == 2 * 2 + 1
+    assert rel_err(model(ids).logits, reference) < 1e-5
+
+
+def test_fused_loss_runs_in_the_heads_dtype_whatever_accelerate_hands_back(monkeypatch):
+    """accelerate returns fp32 outputs under bf16 mixed precision: the head must not be upcast to match."""
+    import trainer.fastpath as fastpath
+
+    seen = {}
+
+    def fake_flce(hidden, weight, labels, ignore_index, reduction):
+        seen.update(hidden=hidden.dtype, weight=weight.dtype, n=labels.numel(), reduction=reduction)
+        return fastpath.reference_cross_entropy(
+            torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False), hidden[None].float(), labels[None]
+        )
+
+    monkeypatch.setattr(fastpath, "_liger_flce", lambda: fake_flce)
+    head = torch.nn.Linear(8, 11, bias=False).to(torch.bfloat16)
+    hidden = torch.randn(2, 5, 8)  # fp32, as accelerate's convert_outputs_to_fp32 leaves it
+    labels = torch.tensor([[1, 2, -100, 4, 5], [6, -100, -100, 9, 10]])
+    fastpath.fused_cross_entropy(head, hidden, labels)
+    assert seen == {"hidden": torch.bfloat16, "weight": torch.bfloat16, "n": 5, "reduction": "sum"}

@@ -1,0 +1,169 @@
+"""The loop's arithmetic: token-normalised accumulation, schedulers, non-finite skips, fatal errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tests.faults import InjectedFaults
+from tests.helpers import REPO, run_trainer
+from trainer import runfolder
+from trainer.config import load_config
+from trainer.runfolder import iter_records
+from trainer.training.loop import train
+
+
+def training_records(run):
+    return list(iter_records(run / "logs" / runfolder.TRAINING_LOG))
+
+
+@pytest.mark.slow
+def test_accumulation_equals_one_big_batch_with_uneven_lengths(write_config, tmp_path):
+    """Instruction records of different lengths, no packing: 4 x accumulation 4 must match 16 x 1."""
+    common = {
+        "paths": {"train_file": str(REPO / "data" / "tiny_instructions.jsonl")},
+        "data": {"packing": False, "max_length": 64},
+        "training": {"max_steps": 3, "save_steps": 100},
+        "lora": {"dropout": 0.0},
+        "eval": {"interval": 100, "at_end": False},
+    }
+    small = write_config(
+        {
+            **common,
+            "training": {**common["training"], "micro_batch_size": 4, "gradient_accumulation_steps": 4},
+        },
+        "a.yaml",
+        "a",
+    )
+    big = write_config(
+        {
+            **common,
+            "training": {**common["training"], "micro_batch_size": 16, "gradient_accumulation_steps": 1},
+        },
+        "b.yaml",
+        "b",
+    )
+    for config in (small, big):
+        result = run_trainer("train", "--config", str(config))
+        assert result.returncode == 0, result.stderr[-2000:]
+    a, b = training_records(tmp_path / "a"), training_records(tmp_path / "b")
+    for ra, rb in zip(a, b):
+        assert ra["tokens"] == rb["tokens"]
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "name, warmup, expect",
+    [
+        ("constant", {"warmup_steps": 2}, [0.0, 0.5, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", {"warmup_steps": 2}, [0.0, 0.5, 1.0, 0.75, 0.5, 0.25]),
+        ("cosine", {"warmup_ratio": 0.2}, [0.0, 1.0, 0.9330, 0.75, 0.5, 0.25]),
+        ("polynomial", {"warmup_steps": 2, "polynomial_power": 2.0}, [0.0, 0.5, 1.0, 0.5625, 0.25, 0.0625]),
+    ],
+)
+def test_schedulers_with_warmup(name, warmup, expect):
+    from trainer.training.optim import make_scheduler
+
+    overrides = [f"optimization.lr_scheduler={name}", "optimization.learning_rate=1.0"]
+    overrides += [f"optimization.{k}={v}" for k, v in warmup.items()]
+    cfg = load_config(REPO / "training_config.yaml", overrides)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    total = 6 if name != "cosine" else 5
+    scheduler = make_scheduler(optimizer, cfg, total)
+    seen = []
+    for _ in range(len(expect)):
+        seen.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    if name == "cosine":  # 5 steps, 1 of warmup: half-cosine over the other 4
+        expect = [0.0] + [0.5 * (1 + math.cos(math.pi * i / 4)) for i in range(0, 5)]
+    assert seen == pytest.approx(expect[: len(seen)], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path):
+    """A NaN loss at step 3 must not update the weights; the record carries null plus a flag."""
+    cfg = load_config(write_config({"training": {"max_steps": 5, "save_steps": 100}}))
+    calls = {"n": 0}
+
+    def poisoned(real_loss):
+        def loss(model, batch, accelerator):
+            calls["n"] += 1
+            ce_sum, aux = real_loss(model, batch, accelerator)
+            if calls["n"] in (5, 6):  # both micro-batches of step 3 (accumulation 2)
+                ce_sum = ce_sum * float("nan")
+            return ce_sum, aux
+
+        return loss
+
+    assert train(cfg, faults=InjectedFaults(wrap_loss=poisoned)) == 0
+    run = tmp_path / "run"
+    records = training_records(run)
+    step3 = records[2]
+    assert step3["loss"] is None and "loss" in step3["nonfinite"] and step3["skipped"] is True
+    assert all(r["loss"] is not None for r in records if r["step"] != 3)
+    skipped = [e for e in iter_records(run / "logs" / runfolder.EVENTS_LOG) if e["event"] == "step_skipped"]
+    assert [(e["step"], e["reason"]) for e in skipped] == [(3, "nonfinite_loss")]
+    assert "NaN" not in (run / "logs" / runfolder.TRAINING_LOG).read_text()
+
+
+@pytest.mark.slow
+def test_fatal_error_is_logged_then_raised(write_config, tmp_path):
+    cfg = load_config(write_config({"training": {"max_steps": 5, "save_steps": 100}}))
+    calls = {"n": 0}
+
+    def exploding_at_step_3(real_loss):
+        def exploding(model, batch, accelerator):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise RuntimeError("boom at the third step")
+            return real_loss(model, batch, accelerator)
+
+        return exploding
+
+    with pytest.raises(RuntimeError, match="boom"):
+        train(cfg, faults=InjectedFaults(wrap_loss=exploding_at_step_3))
+    run = tmp_path / "run"
+    errors = list(iter_records(run / "logs" / runfolder.ERROR_LOG))
+    assert len(errors) == 1
+    assert errors[0]["type"] == "RuntimeError" and errors[0]["message"] == "boom at the third step"
+    assert errors[0]["step"] == 2 and "exploding" in errors[0]["traceback"]
+    info = json.loads((run / runfolder.RUN_JSON).read_text())
+    assert info["status"] == "failed" and info["ended_at"]
+
+
+@pytest.mark.slow
+def test_step_kernels_chosen_once_drive_training_and_evaluation(write_config, tmp_path, monkeypatch):
+    """The fast-path seam: kernels picked at set-up prepare the model and compute every micro-batch's
+    loss, in training and in evaluation, without train() knowing which kernels they are."""
+    import trainer.training.loop as loop
+    from trainer.training.step import StepKernels, choose_kernels
+
+    seen = {"choose": 0, "prepare": 0, "loss": 0}
+
+    def counting_kernels(loaded, cfg, device):
+        seen["choose"] += 1
+        reference = choose_kernels(loaded, cfg, device)
+
+        def prepare(model):
+            seen["prepare"] += 1
+            return reference.prepare(model)
+
+        def loss(model, batch, accelerator):
+            seen["loss"] += 1
+            return reference.loss(model, batch, accelerator)
+
+        return StepKernels("counting", loss, prepare)
+
+    monkeypatch.setattr(loop, "choose_kernels", counting_kernels)
+    cfg = load_config(
+        write_config({"training": {"max_steps": 2, "save_steps": 100}, "eval": {"interval": 100}})
+    )
+    assert train(cfg) == 0
+    evaluations = list(iter_records(tmp_path / "run" / "logs" / runfolder.EVAL_LOG))
+    assert [e["step"] for e in evaluations] == [2]  # eval.at_end, over eval.max_batches=2 batches
+    assert seen == {"choose": 1, "prepare": 1, "loss": 2 * 2 + 2}  # 2 steps x accumulation 2, then eval

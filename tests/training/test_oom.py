@@ -1,0 +1,104 @@
+"""OOM fallback, tested on a CPU by injecting CUDA out-of-memory errors at chosen steps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.faults import run_with_faults
+from trainer import runfolder
+from trainer.data.dataset import Sequence
+from trainer.runfolder import iter_records, last_per_step
+from trainer.training.oom_retry import shrink
+from trainer.training.step import StepShape, split_rows
+
+FIXED = {"lora": {"dropout": 0.0}, "training": {"max_steps": 6, "save_steps": 3}, "eval": {"interval": 3}}
+
+
+def train_with(config, inject: str = "") -> subprocess.CompletedProcess:
+    return run_with_faults("train", "--config", str(config), oom=inject)
+
+
+def merged(base: dict, training: dict) -> dict:
+    return {**base, "training": {**base["training"], **training}}
+
+
+def losses(run):
+    return {
+        r["step"]: r["loss"] for r in last_per_step(list(iter_records(run / "logs" / runfolder.TRAINING_LOG)))
+    }
+
+
+def events(run, name):
+    return [e for e in iter_records(run / "logs" / runfolder.EVENTS_LOG) if e["event"] == name]
+
+
+@pytest.mark.slow
+def test_oom_halves_micro_batch_keeps_effective_batch_and_replays_the_step(write_config, tmp_path):
+    injected = write_config(
+        merged(FIXED, {"micro_batch_size": 4, "gradient_accumulation_steps": 2}), "a.yaml", "a"
+    )
+    small = write_config(
+        merged(FIXED, {"micro_batch_size": 2, "gradient_accumulation_steps": 4}), "b.yaml", "b"
+    )
+    result = train_with(injected, "train:1,eval:3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert train_with(small).returncode == 0
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(a) == list(range(1, 7))  # no step skipped, none repeated
+    for step in range(1, 7):  # the failed step is replayed on the same rows: identical to starting small
+        assert a[step] == pytest.approx(b[step], abs=1e-6)
+    fallbacks = events(tmp_path / "a", "oom_fallback")
+    train_fb = [e for e in fallbacks if e.get("phase") != "eval"]
+    assert train_fb[0]["step"] == 1
+    assert train_fb[0]["old"] == {"micro": 4, "accum": 2, "split_length": None}
+    assert train_fb[0]["new"] == {"micro": 2, "accum": 4, "split_length": None}
+    eval_fb = [e for e in fallbacks if e.get("phase") == "eval"]
+    assert eval_fb[0]["old"] == {"eval_batch_size": 8} and eval_fb[0]["new"] == {"eval_batch_size": 4}
+    assert [e["step"] for e in iter_records(tmp_path / "a" / "logs" / runfolder.EVAL_LOG)] == [3, 6]
+    state = json.loads((tmp_path / "a" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["step_shape"] == {"micro": 2, "accum": 4, "split_length": None}
+
+
+@pytest.mark.slow
+def test_micro_batch_one_splits_rows_instead_of_dropping(write_config, tmp_path):
+    config = write_config(merged(FIXED, {"micro_batch_size": 1, "gradient_accumulation_steps": 2}))
+    result = train_with(config, "train:2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "run"
+    fallback = events(run, "oom_fallback")[0]
+    assert fallback["new"] == {"micro": 1, "accum": 2, "split_length": 48}
+    records = {r["step"]: r for r in iter_records(run / "logs" / runfolder.TRAINING_LOG)}
+    assert sorted(records) == list(range(1, 7))
+    assert all(records[s]["loss"] is not None for s in records)
+
+
+@pytest.mark.slow
+def test_bounded_retries_then_clear_failure_with_checkpoint(write_config, tmp_path):
+    config = write_config({**FIXED, "memory": {"max_oom_retries": 1}})
+    failed = train_with(config, "train:5,train:5")  # step 5 fails, and its one allowed retry fails too
+    assert failed.returncode == 1
+    assert "out of memory at step 5 with micro_batch_size=2" in failed.stderr
+    run = tmp_path / "run"
+    assert [e["new"]["micro"] for e in events(run, "oom_fallback")] == [2]
+    assert (run / "checkpoint-4" / "trainer_state.json").is_file()
+    saved = events(run, "checkpoint_saved")
+    assert saved[-1]["kind"] == "oom" and saved[-1]["step"] == 4
+    errors = list(iter_records(run / "logs" / runfolder.ERROR_LOG))
+    assert errors[-1]["type"] == "OutOfMemoryAfterRetries" and errors[-1]["step"] == 4
+    assert json.loads((run / "run.json").read_text())["status"] == "failed"
+    resumed = train_with(config)  # and the run carries on from there with the smaller shape
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sorted(losses(run)) == list(range(1, 7))
+
+
+def test_shrink_and_split_units():
+    assert shrink(StepShape(4, 2), 64) == StepShape(2, 4)
+    assert shrink(StepShape(1, 8), 64) == StepShape(1, 8, 48)
+    assert shrink(StepShape(1, 8, 20), 64) is None  # 15 would be under the 16-token floor
+    row = Sequence(list(range(10)), list(range(10)), list(range(10)))
+    pieces = split_rows([row], 4)
+    assert [p.input_ids for p in pieces] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert sum(len(p.labels) for p in pieces) == 10

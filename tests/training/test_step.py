@@ -1,0 +1,71 @@
+"""The step's pieces on their own: the micro-batch loss takes the family's inputs, rows feed micro-batches."""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from trainer.data.dataset import Sequence, collate
+from trainer.training.step import FullCrossEntropy, StepShape, count_targets, micro_batches, reference_kernels
+
+
+class CpuAccelerator:
+    device = torch.device("cpu")
+
+    @staticmethod
+    def autocast():
+        return contextlib.nullcontext()
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding + head; takes only ``input_ids``, as a family whose inputs differ from causal LMs' might."""
+
+    def __init__(self, vocab: int = 11):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, 8)
+        self.head = torch.nn.Linear(8, vocab)
+
+    def forward(self, input_ids, use_cache=False):
+        return SimpleNamespace(logits=self.head(self.embed(input_ids)))
+
+
+def test_loss_uses_the_family_picked_at_set_up():
+    """Kernels are picked once from the loaded family: its model_inputs shape every micro-batch's forward."""
+    calls = []
+
+    def only_ids(batch):
+        calls.append(sorted(batch))
+        return {"input_ids": batch["input_ids"]}
+
+    family = SimpleNamespace(model_inputs=only_ids)
+    model = TinyLM()
+    kernels = reference_kernels(model, family)
+    assert isinstance(kernels.loss, FullCrossEntropy) and kernels.prepare(model) is model
+    batch = collate(
+        [Sequence([1, 2, 3, 4], [1, 2, 3, 4], [0, 1, 2, 3]), Sequence([5, 6], [-100, 6], [0, 1])], 0
+    )
+    ce_sum, aux = kernels.loss(model, batch, CpuAccelerator())
+    logits = model(batch["input_ids"]).logits[:, :-1]
+    expected = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        batch["labels"][:, 1:].reshape(-1),
+        ignore_index=-100,
+        reduction="sum",
+    )
+    assert (
+        len(calls) == 1 and "position_ids" in calls[0]
+    )  # the family saw the whole batch, took what it needs
+    assert aux is None and torch.allclose(ce_sum, expected)
+    assert count_targets(batch) == 4  # 3 in the first row, 1 in the second (its first label is masked)
+
+
+def test_micro_batches_interleave_ranks_and_split_rows():
+    data = [Sequence([i] * 8, [i] * 8, list(range(8))) for i in range(8)]
+    rows = list(range(8))
+    rank1 = micro_batches(rows, data, StepShape(2, 2), world=2, rank=1, pad_id=0)
+    assert [b["input_ids"][:, 0].tolist() for b in rank1] == [[2, 3], [6, 7]]  # slices 1 and 3 of 4
+    split = micro_batches(rows[:2], data, StepShape(1, 2, split_length=3), world=1, rank=0, pad_id=0)
+    assert [b["input_ids"].shape[1] for b in split] == [3, 3, 2, 3, 3, 2]  # every token kept, one piece each

@@ -1,0 +1,342 @@
+"""Build the model to train: family, tokenizer, 4-bit loading, PEFT adapters, and a size report.
+
+Errors a user can cause (missing folder, missing weights, no tokenizer, offline hub id) become a
+``ModelLoadError`` naming the file, instead of a deep stack trace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer import fastpath
+from trainer.config import Config
+from trainer.families import Family, ModelLoadError, family_for
+from trainer.model.moe_quant import QuantizedExpertWeights, quantize_fused_experts
+from trainer.training import chunked_loss
+
+log = logging.getLogger(__name__)
+
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    family: Family
+    model_type: str
+    report: dict
+
+
+def is_local(name_or_path: str) -> bool:
+    return Path(name_or_path).expanduser().exists() or name_or_path.startswith((".", "/", "~"))
+
+
+def check_local_folder(path: Path, random_init: bool) -> None:
+    """Name the missing file before transformers raises something vaguer."""
+    if not path.is_dir():
+        raise ModelLoadError(f"model.name_or_path: folder not found: {path}")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model.name_or_path: {path / 'config.json'} is missing")
+    if random_init:
+        return
+    present = [name for name in WEIGHT_FILES if (path / name).is_file()]
+    if not present:
+        raise ModelLoadError(
+            f"model.name_or_path: no weights in {path} (expected one of {', '.join(WEIGHT_FILES)}; "
+            "or set model.random_init: true to train from the config alone)"
+        )
+    for index_name in (n for n in present if n.endswith(".index.json")):
+        shards = set(json.loads((path / index_name).read_text()).get("weight_map", {}).values())
+        missing = sorted(s for s in shards if not (path / s).is_file())
+        if missing:
+            raise ModelLoadError(
+                f"model.name_or_path: weight shard missing: {path / missing[0]} (named in {index_name})"
+            )
+
+
+def load_hf_config(cfg: Config):
+    from transformers import AutoConfig
+
+    name = cfg.model.name_or_path
+    if is_local(name):
+        check_local_folder(Path(name).expanduser(), cfg.model.random_init)
+
+    def read():
+        return AutoConfig.from_pretrained(
+            name,
+            revision=cfg.model.revision,
+            trust_remote_code=cfg.model.trust_remote_code,
+            cache_dir=cfg.paths.cache_dir,
+        )
+
+    try:
+        try:
+            return read()
+        except ValueError:
+            # An unknown model_type may be one a family registers on import (fla's gla); importing fla
+            # costs seconds, so only then.
+            if not _import_family_registrations():
+                raise
+            return read()
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"model.name_or_path: cannot load config for '{name}': {first_line}") from exc
+
+
+def _import_family_registrations() -> bool:
+    """Some families register their model_type with the Auto classes on import (fla's gla)."""
+    try:
+        import fla  # noqa: F401
+    except Exception:  # noqa: BLE001 - optional dependency, absent or broken: causal models still load
+        return False
+    return True
+
+
+def load_tokenizer(cfg: Config):
+    from transformers import AutoTokenizer
+
+    source = cfg.model.tokenizer or cfg.model.name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source,
+            revision=cfg.model.revision,
+            trust_remote_code=cfg.model.trust_remote_code,
+            cache_dir=cfg.paths.cache_dir,
+        )
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelLoadError(
+            f"model.tokenizer: no usable tokenizer in '{source}' (expected tokenizer.json or tokenizer files; "
+            "set model.tokenizer to another folder)"
+        ) from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def resolve_dtype(cfg: Config) -> torch.dtype:
+    if cfg.model.dtype != "auto":
+        return DTYPES[cfg.model.dtype]
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def quantization_config(cfg: Config, family_skip: tuple[str, ...] = ()):
+    from transformers import BitsAndBytesConfig
+
+    q = cfg.quantization
+    skip = list(q.skip_modules) + [name for name in family_skip if name not in q.skip_modules]
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.quant_type,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+        bnb_4bit_quant_storage=torch.uint8,
+        llm_int8_skip_modules=skip,
+    )
+
+
+def cuda_index(device: torch.device) -> int:
+    """accelerate's single-GPU device is plain ``cuda`` (no index); bitsandbytes' device_map needs one."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def load_base_model(cfg: Config, family: Family, hf_config, device: torch.device):
+    """Load (or random-init) the base model; 4-bit goes through from_pretrained so bitsandbytes quantizes."""
+    dtype = resolve_dtype(cfg)
+    qlora = cfg.training.method == "qlora"
+    kwargs = {"dtype": dtype, "cache_dir": cfg.paths.cache_dir}
+    if cfg.model.attn_implementation:
+        kwargs["attn_implementation"] = cfg.model.attn_implementation
+    torch.manual_seed(cfg.training.seed)
+    if cfg.model.random_init and not qlora:
+        return family.load(cfg.model, hf_config, from_config=True, dtype=dtype)
+    if qlora:
+        kwargs["quantization_config"] = quantization_config(cfg, family.quantization_skip(hf_config, cfg))
+        kwargs["device_map"] = {"": cuda_index(device) if device.type == "cuda" else "cpu"}
+    if cfg.model.random_init:
+        # bitsandbytes quantizes while loading weights, so random weights take a detour through disk.
+        with tempfile.TemporaryDirectory(prefix="init-model-") as tmp:
+            family.load(cfg.model, hf_config, from_config=True, dtype=dtype).save_pretrained(tmp)
+            local = type(cfg.model)(**{**cfg.model.__dict__, "name_or_path": tmp, "revision": None})
+            return family.load(local, hf_config, **kwargs)
+    try:
+        return family.load(cfg.model, hf_config, **kwargs)
+    except OSError as exc:
+        first_line = str(exc).strip().splitlines()[0]
+        raise ModelLoadError(
+            f"model.name_or_path: cannot load weights of '{cfg.model.name_or_path}': {first_line}"
+        ) from exc
+
+
+def disable_cpu_bf16_repack(model: torch.nn.Module) -> int:
+    """bitsandbytes on AVX512-BF16 CPUs repacks 4-bit weights on the first no-grad forward into a layout
+    with no backward, silently corrupting LoRA gradients afterwards (platform notes). Turn it off."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
+
+
+def lora_targets(cfg: Config, family: Family, hf_config):
+    """The configured targets, else the family's defaults (which may depend on the kernel path)."""
+    targets = cfg.lora.target_modules
+    if targets is not None:
+        return targets
+    defaults = family.default_lora_targets
+    return defaults(hf_config) if callable(defaults) else defaults
+
+
+NEEDS_FULL_PRECISION_INIT = ("pissa", "olora")
+
+
+def check_lora_config(cfg: Config, family: Family, hf_config) -> None:
+    """LoRA settings PEFT or the family would fail on mid-load (or, worse, train silently wrong),
+    refused with one line before any weights load."""
+    lo = cfg.lora
+    if lo.variant not in family.lora_variants:
+        raise ModelLoadError(
+            f"lora.variant: '{lo.variant}' is not supported for the {family.name} family "
+            f"(have: {', '.join(family.lora_variants)})"
+        )
+    if cfg.training.method == "qlora" and lo.init.startswith(NEEDS_FULL_PRECISION_INIT):
+        raise ModelLoadError(
+            f"lora.init: {lo.init} factorises the base weights, which training.method qlora keeps in 4-bit; "
+            "use training.method lora, or lora.init default or gaussian"
+        )
+    family.check_lora(cfg, hf_config, lora_targets(cfg, family, hf_config))
+
+
+def apply_peft(model, cfg: Config, family: Family, upcast_for_kbit: bool = True):
+    """LoRA on ``model``. QLoRA's usual preparation upcasts every 16-bit parameter to fp32; the CUDA fast
+    path (``upcast_for_kbit=False``) keeps them 16-bit, as its fused kernels accumulate in fp32 anyway."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if cfg.training.method == "qlora" and not upcast_for_kbit:
+        model.requires_grad_(False)
+        if cfg.memory.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif cfg.training.method == "qlora":
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=cfg.memory.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    if cfg.lora.variant not in family.lora_variants:
+        raise ModelLoadError(
+            f"lora.variant: '{cfg.lora.variant}' is not supported for the {family.name} family"
+        )
+    init = cfg.lora.init
+    peft_config = LoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=lora_targets(cfg, family, model.config),
+        target_parameters=cfg.lora.target_parameters,
+        bias=cfg.lora.bias,
+        use_dora=cfg.lora.variant == "dora",
+        use_rslora=cfg.lora.variant == "rslora",
+        init_lora_weights=True if init == "default" else init,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, peft_config)
+    except (ValueError, TypeError) as exc:
+        raise ModelLoadError(f"lora.target_modules: {str(exc).splitlines()[0]}") from exc
+
+
+def size_report(model: torch.nn.Module, method: str) -> dict:
+    """Parameter counts and the bytes left in 16/32-bit, experts separately: fused 3-D expert
+    parameters escape bitsandbytes' Linear replacement (bitsandbytes issue 1849)."""
+    try:
+        import bitsandbytes as bnb
+
+        params4 = bnb.nn.Params4bit
+    except ImportError:
+        params4 = ()
+    total = trainable = quantized = unquantized_bytes = expert_bytes = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedExpertWeights):
+            total += module.numel()
+            quantized += module.numel()
+    for name, param in model.named_parameters():
+        is_4bit = bool(params4) and isinstance(param, params4)
+        count = param.numel() * 2 if is_4bit else param.numel()  # two 4-bit values per stored byte
+        total += count
+        if param.requires_grad:
+            trainable += count
+        if is_4bit:
+            quantized += count
+            continue
+        nbytes = param.numel() * param.element_size()
+        unquantized_bytes += nbytes
+        if param.dim() == 3 and "expert" in name:
+            expert_bytes += nbytes
+    return {
+        "method": method,
+        "total_params": total,
+        "trainable_params": trainable,
+        "quantized_params": quantized,
+        "unquantized_bytes": unquantized_bytes,
+        "unquantized_expert_bytes": expert_bytes,
+    }
+
+
+def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
+    hf_config = load_hf_config(cfg)
+    model_type = getattr(hf_config, "model_type", "") or ""
+    family = family_for(model_type, cfg.model.family)
+    tokenizer = load_tokenizer(cfg)
+    if cfg.training.method == "qlora" and not family.quantizable:
+        raise ModelLoadError(f"training.method: qlora is not available for the {family.name} family")
+    hf_config = family.configure(hf_config, cfg)
+    if cfg.training.method in ("lora", "qlora"):
+        check_lora_config(cfg, family, hf_config)
+    kernel_path = family.kernel_path(hf_config)
+    print(f"kernels: {family.name}/{model_type} runs on {kernel_path}", flush=True)
+    fast = family.name == "causal" and fastpath.wanted(cfg.performance.fast_path, device)
+    model = load_base_model(cfg, family, hf_config, device)
+    if cfg.training.method == "qlora" and cfg.quantization.quantize_experts:
+        if cfg.lora.target_parameters:
+            raise ModelLoadError(
+                "lora.target_parameters: the fused expert weights are 4-bit (quantization.quantize_experts: true); "
+                "set it to false to put LoRA on experts"
+            )
+        quantize_fused_experts(model, cfg.quantization.quant_type, cfg.quantization.double_quant)
+    disable_cpu_bf16_repack(model)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    if cfg.memory.gradient_checkpointing and cfg.training.method != "qlora":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.training.method == "lora":
+            model.enable_input_require_grads()
+    if cfg.training.method in ("lora", "qlora"):
+        model = apply_peft(model, cfg, family, upcast_for_kbit=not fast)
+    report = size_report(model, cfg.training.method)
+    fast_report = fastpath.apply(model, cfg.performance.fast_path if fast else "off", device)
+    report["fast_path"] = fast_report.as_dict()
+    if fast_report.enabled:
+        print(f"fast path: {fast_report.as_dict()}", flush=True)
+    fused = fast_report.fused_loss
+    report["chunked_loss"] = chunked_loss.enable(model, cfg.memory.chunked_loss and not fused)
+    report["kernel_path"] = kernel_path
+    return LoadedModel(model=model, tokenizer=tokenizer, family=family, model_type=model_type, report=report)
