@@ -86,7 +86,7 @@ def pad_batch(docs: list[list[int]], pad_id: int) -> dict:
 def kit_batches(docs: list[list[int]], max_length: int, micro: int, pad_id: int) -> list[dict]:
     """This kit's micro-batches: documents packed into rows of ``max_length`` by ``trainer.data.pack``
     (long ones split across rows), ``micro`` rows collated at a time."""
-    from trainer.data import collate, pack
+    from trainer.data.dataset import collate, pack
 
     rows = pack([(d, list(d)) for d in docs], max_length, pad_id)
     return [collate(rows[i : i + micro], pad_id) for i in range(0, len(rows), micro)]
@@ -198,7 +198,7 @@ def run_kit(args, variant: str) -> dict:
     import torch
 
     from trainer.fastpath import attention as fast_attention
-    from trainer.modeling import load_for_training
+    from trainer.model.loading import load_for_training
     from trainer.training.step import forward_loss
 
     device = torch.device(args.device)

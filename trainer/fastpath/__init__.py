@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from trainer.data.dataset import IGNORE
 from trainer.families import ModelLoadError
 from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_swiglu_mlps
 from trainer.training import chunked_loss
 
-IGNORE = -100
 ENABLED_ATTRIBUTE = "_kit_fast_path"
 MODES = ("auto", "on", "off")
 

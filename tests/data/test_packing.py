@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
-from trainer.data import IGNORE, Sequence, collate, pack
+from trainer.data.dataset import IGNORE, Sequence, collate, pack
 from trainer.families import family_for, family_inputs
 from trainer.families.base import causal_inputs, has_document_boundaries
 from trainer.fastpath import attention
