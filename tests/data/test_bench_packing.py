@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SPEC = importlib.util.spec_from_file_location("bench_packing_gpu", REPO / "bench" / "bench_packing_gpu.py")
 bench = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(bench)
