@@ -65,7 +65,7 @@ fi
 
 # shellcheck source=scripts/setup_venv.sh
 . "$ROOT/scripts/setup_venv.sh"
-setup_venv "train" || { echo "launch_training.sh: environment setup failed" >&2; exit 1; }
+setup_venv "$(train_extras)" || { echo "launch_training.sh: environment setup failed" >&2; exit 1; }
 # The trainer next to this script, whichever checkout the venv's editable install points at (as sweep.sh).
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 

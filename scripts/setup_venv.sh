@@ -8,6 +8,15 @@
 # "Editable installation" warning (about folders named like the package shadowing it; this repository
 # has none), are hidden by a filter on that one warning, passed to the build through PYTHONWARNINGS.
 EDITABLE_WARNING_FILTER="ignore:Editable installation:Warning:setuptools.command.editable_wheel"
+# The extras a training run wants here: the fast path's kernels where an NVIDIA GPU answers.
+train_extras() {
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "train,fast"
+  else
+    echo "train"
+  fi
+}
+
 setup_venv() {
   local extras="$1"
   local root; root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -222,3 +222,20 @@ def test_fused_loss_runs_in_the_heads_dtype_whatever_accelerate_hands_back(monke
     labels = torch.tensor([[1, 2, -100, 4, 5], [6, -100, -100, 9, 10]])
     fastpath.fused_cross_entropy(head, hidden, labels)
     assert seen == {"hidden": torch.bfloat16, "weight": torch.bfloat16, "n": 5, "reduction": "sum"}
+
+
+@pytest.mark.slow
+def test_model_report_says_whether_the_fast_path_ran(write_config, tmp_path):
+    import json
+
+    from tests.helpers import run_trainer
+
+    config = write_config({"training": {"max_steps": 1}})
+    result = run_trainer("train", "--config", str(config))
+    assert result.returncode == 0, result.stderr[-2000:]
+    events = [
+        json.loads(line) for line in (tmp_path / "run" / "logs" / "events.jsonl").read_text().splitlines()
+    ]
+    report = next(e for e in events if e["event"] == "model_report")
+    assert report["fast_path"]["enabled"] is False and report["fast_path"]["reason"] == "not a CUDA device"
+    assert report["chunked_loss"] is True  # the reference path's loss, as before

@@ -178,3 +178,21 @@ def test_setup_hides_only_setuptools_editable_warning(tmp_path):
         assert len(install) == 1, calls.read_text()
         expected = "none|-m pip install -e" if verbose == "1" else f"{rule}|-m pip install -q -e"
         assert install[0].startswith(expected), install
+
+
+def test_a_gpu_machine_gets_the_fast_path_extra(tmp_path):
+    """launch_training.sh installs liger-kernel (the fast path's kernels) where an NVIDIA GPU answers."""
+    script = REPO / "scripts" / "setup_venv.sh"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+
+    def extras(path: str) -> str:
+        env = dict(os.environ, PATH=path)
+        return subprocess.run(
+            ["bash", "-c", f'. "{script}"; train_extras'], capture_output=True, text=True, env=env, check=True
+        ).stdout.strip()
+
+    assert extras(f"{fake}:/usr/bin:/bin") == "train,fast"
+    assert extras("/usr/bin:/bin") == "train"
