@@ -55,9 +55,20 @@ def run(args) -> int:
     cfg = load_config_from_args(args)
     results = evaluate_checkpoint(cfg, checkpoint, with_loss=not args.no_loss)
     text = json.dumps(_finite(results), indent=2, allow_nan=False)
-    (checkpoint / "eval_results.json").write_text(text + "\n")
+    target = free_results_path(checkpoint)
+    target.write_text(text + "\n")
     print(text)
+    print(f"written to {target}", file=sys.stderr)
     return 0
+
+
+def free_results_path(checkpoint: Path) -> Path:
+    """eval_results.json, or eval_results-2.json, -3, ...: an earlier evaluation is never overwritten."""
+    target, n = checkpoint / "eval_results.json", 1
+    while target.exists():
+        n += 1
+        target = checkpoint / f"eval_results-{n}.json"
+    return target
 
 
 def _finite(results: dict) -> dict:

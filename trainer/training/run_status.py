@@ -7,8 +7,10 @@ failed; each writes run.json's status and one run_end event, then closes the log
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -29,13 +31,35 @@ def library_versions() -> dict:
     return versions
 
 
+def record_config(cfg: Config, output_dir: Path, step: int) -> Path:
+    """Write the config as used without ever rewriting the run's first one: config.yaml reproduces the run.
+
+    A resume with the same config writes nothing; one with a different config (a --set, an --extend) writes
+    ``config-resume-<step>.yaml`` beside it. Returns the file that holds the config now in force.
+    """
+    first = output_dir / runfolder.CONFIG_YAML
+    if not first.exists():
+        dump_config(cfg, first)
+        return first
+    with tempfile.TemporaryDirectory() as tmp:
+        candidate = Path(tmp) / runfolder.CONFIG_YAML
+        dump_config(cfg, candidate)
+        if candidate.read_text() == first.read_text():
+            return first
+        changed = output_dir / f"config-resume-{step}.yaml"
+        shutil.copyfile(candidate, changed)
+        return changed
+
+
 def start_run(
     log: runfolder.RunLog, cfg: Config, output_dir: Path, loaded, data, world: int, total_steps: int, step: int,
     resume_from, config_source: str | None,
 ) -> None:  # fmt: skip
     """config.yaml as used, run.json (kept across resumes: id, start, resume count), the opening events."""
     if log.enabled:
-        dump_config(cfg, output_dir / runfolder.CONFIG_YAML)
+        written = record_config(cfg, output_dir, step)
+        if written.name != runfolder.CONFIG_YAML:
+            log.event("config_changed", step=step, file=written.name)
     run_info = runfolder.read_run_json(output_dir)
     log.update_run(
         run_id=run_info.get("run_id") or f"{output_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}",
