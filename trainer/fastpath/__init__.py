@@ -16,7 +16,6 @@ What it does to a loaded (PEFT-wrapped) model, each piece only where it applies:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -166,23 +165,6 @@ def fused_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, labels: tor
     if labels.numel() == 0:
         return hidden.float().sum() * 0.0
     return _liger_flce()(hidden, head.weight, labels, ignore_index=IGNORE, reduction="sum")
-
-
-@dataclass(frozen=True)
-class FusedLinearCrossEntropy:
-    """The fast path's ``StepKernels.loss``: the head bypassed in the forward, then Liger's fused linear
-    cross-entropy on the hidden states (summed, as the loop normalises by the step's target tokens)."""
-
-    model_inputs: Callable[[dict], dict]
-
-    def __call__(self, model, batch: dict, accelerator):
-        inputs = {k: v.to(accelerator.device) for k, v in self.model_inputs(batch).items()}
-        head = chunked_loss.output_head(model)
-        with accelerator.autocast():
-            with chunked_loss.head_bypassed(head):
-                out = model(**inputs, use_cache=False)
-            hidden = out.logits.reshape(*batch["labels"].shape, -1)
-        return fused_cross_entropy(head, hidden, batch["labels"]), getattr(out, "aux_loss", None)
 
 
 def reference_cross_entropy(head, hidden, labels) -> torch.Tensor:

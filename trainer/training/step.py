@@ -121,11 +121,15 @@ class FullCrossEntropy:
 
 
 @dataclass(frozen=True)
-class ChunkedCrossEntropy:
-    """memory.chunked_loss: the output head bypassed in the forward, then run chunk by chunk
-    (trainer/training/chunked_loss.py), so the full fp32 logits never exist."""
+class HeadLoss:
+    """The output head bypassed in the forward, then ``head_loss(head, hidden, labels)`` on the final hidden
+    states, so the full fp32 logits never exist: ``chunked_loss.chunked_cross_entropy`` (memory.chunked_loss,
+    trainer/training/chunked_loss.py) or the CUDA fast path's fused linear cross-entropy (trainer/fastpath)."""
 
     model_inputs: Callable[[dict], dict]
+    head_loss: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = (
+        chunked_loss.chunked_cross_entropy
+    )
 
     def __call__(self, model, batch: dict, accelerator):
         inputs = {k: v.to(accelerator.device) for k, v in self.model_inputs(batch).items()}
@@ -134,7 +138,7 @@ class ChunkedCrossEntropy:
             with chunked_loss.head_bypassed(head):
                 out = model(**inputs, use_cache=False)
             hidden = out.logits.reshape(*batch["labels"].shape, -1)
-            ce_sum = chunked_loss.chunked_cross_entropy(head, hidden, batch["labels"])
+            ce_sum = self.head_loss(head, hidden, batch["labels"])
         return ce_sum, getattr(out, "aux_loss", None)
 
 
@@ -157,7 +161,7 @@ class StepKernels:
 def reference_kernels(model, family) -> StepKernels:
     """transformers' forward with the family's inputs; chunked cross-entropy where model loading enabled it."""
     if chunked_loss.enabled(model):
-        return StepKernels("reference-chunked-ce", ChunkedCrossEntropy(family.model_inputs))
+        return StepKernels("reference-chunked-ce", HeadLoss(family.model_inputs))
     return StepKernels("reference", FullCrossEntropy(family.model_inputs))
 
 
@@ -166,7 +170,7 @@ def kernels_for(model, family) -> StepKernels:
     from trainer import fastpath
 
     if fastpath.enabled(model):
-        return StepKernels("fast-path", fastpath.FusedLinearCrossEntropy(family.model_inputs))
+        return StepKernels("fast-path", HeadLoss(family.model_inputs, fastpath.fused_cross_entropy))
     return reference_kernels(model, family)
 
 
