@@ -101,6 +101,7 @@ function renderStats(s) {
   setStat("error_note", [s.nonfinite_steps ? `${s.nonfinite_steps} non-finite` : "", bad ? `${bad} bad lines skipped` : ""].filter(Boolean).join(" · "));
   setStat("model", s.model || "-");
   setStat("method", s.method || "");
+  setStat("kernels", s.kernels ? s.kernels.summary : "");
   document.title = `${s.run} · ${s.status} · step ${num(s.step)}`;
   body.dataset.loaded = "1";
   body.dataset.step = s.step === null ? "" : String(s.step);

@@ -392,3 +392,29 @@ def test_weird_but_valid_records_never_500(tmp_path: Path):
         assert response.status_code == 200, (url, response.get_data(as_text=True)[:300])
     stats = client.get("/api/stats").get_json()
     assert stats["step"] == 4 and stats["bad_lines"][runfolder.TRAINING_LOG] == 4  # two bad steps, NaN, []
+
+
+def test_stats_say_which_kernels_trained_and_how_their_self_check_went(client, log_root):
+    """The run header's kernel line: from the model_report and kernel_check events the trainer writes."""
+    events = log_root / DEMO / runfolder.LOGS_DIR / runfolder.EVENTS_LOG
+    assert get(client, "/api/stats")["kernels"] is None  # older runs logged neither
+    checks = [
+        {"kernel": "lora_linear", "error": 0.004, "tolerance": 0.03, "passed": True},
+        {"kernel": "fused_cross_entropy", "error": 0.0021, "tolerance": 0.03, "passed": True},
+    ]
+    report = {"ts": time.time(), "event": "model_report", "step": 0, "kernel_path": "transformers"}
+    fast = {"enabled": True, "reason": "", "self_check": checks}
+    append(events, [{**report, "fast_path": fast}, {"ts": time.time(), "event": "kernel_check", "step": 0,
+                                                  "passed": True, "results": checks}])  # fmt: skip
+    kernels = get(client, "/api/stats")["kernels"]
+    assert kernels["fast_path"] is True and kernels["self_check_passed"] is True
+    assert kernels["self_check_max_error"] == pytest.approx(0.004)
+    assert kernels["summary"] == "fast path, kernels checked (max error 4.0e-03)"
+    assert "fast path, kernels checked" in client.get(f"/?run={DEMO}").get_data(as_text=True)
+    failed = [{**checks[0], "error": 0.4, "passed": False}]
+    append(
+        events, [{"ts": time.time(), "event": "kernel_check", "step": 0, "passed": False, "results": failed}]
+    )
+    kernels = get(client, "/api/stats")["kernels"]
+    assert kernels["self_check_passed"] is False and kernels["self_check_failed"] == ["lora_linear"]
+    assert kernels["summary"] == "reference path: kernel self-check FAILED (lora_linear)"

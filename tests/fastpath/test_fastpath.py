@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import REPO
 from trainer.config import load_config
-from trainer.fastpath import FastPathUnavailable, apply, enabled, wanted
+from trainer.fastpath import FastPathUnavailable, apply, decide, enabled, wanted
 from trainer.fastpath.lora_ops import BaseWeight, lora_linear, lora_mlp
 from trainer.fastpath.patch import patch_lora_linears, patch_swiglu_mlps, unpatch
 
@@ -161,8 +161,9 @@ def test_fast_path_is_refused_on_cpu_and_off_is_respected():
     with pytest.raises(FastPathUnavailable, match="performance.fast_path: on, but not a CUDA device"):
         wanted("on", cpu)
     model = torch.nn.Linear(2, 2)
-    report = apply(model, "auto", cpu)
+    report = apply(model, decide("auto", cpu))
     assert not report.enabled and report.reason == "not a CUDA device" and not enabled(model)
+    assert report.self_check == []  # nothing to check where the fast path cannot run
 
 
 @pytest.mark.slow
@@ -239,3 +240,63 @@ def test_model_report_says_whether_the_fast_path_ran(write_config, tmp_path):
     report = next(e for e in events if e["event"] == "model_report")
     assert report["fast_path"]["enabled"] is False and report["fast_path"]["reason"] == "not a CUDA device"
     assert report["chunked_loss"] is True  # the reference path's loss, as before
+
+
+# ------------------------------------------------------------------ the kernel self-check
+
+
+def scaled_gradient_lora_linear(x, a, b, base, scale):
+    """Right forward, backward off by half: the kind of bug a forward-only check would miss."""
+    from trainer.fastpath.lora_ops import lora_linear
+
+    out = lora_linear(x, a, b, base, scale)
+    return out + 0.5 * (out - out.detach())
+
+
+def cpu_checks(lora_linear_kernel=None):
+    import functools
+
+    from trainer.fastpath import selfcheck
+
+    checks = {"lora_linear": selfcheck.check_lora_linear, "lora_mlp": selfcheck.check_lora_mlp}
+    if lora_linear_kernel is not None:
+        checks["lora_linear"] = functools.partial(selfcheck.check_lora_linear, kernel=lora_linear_kernel)
+    return checks
+
+
+def test_self_check_passes_the_shipped_kernels_and_catches_a_wrong_gradient():
+    from trainer.fastpath import selfcheck
+
+    cpu = torch.device("cpu")
+    good = selfcheck.run(cpu, torch.float32, cpu_checks())
+    assert [c.kernel for c in good] == ["lora_linear", "lora_mlp"] and all(c.passed for c in good)
+    assert all(c.error < 1e-5 for c in good)
+    bad = selfcheck.run(cpu, torch.float32, cpu_checks(scaled_gradient_lora_linear))
+    assert [c.kernel for c in selfcheck.failures(bad)] == ["lora_linear"]
+    assert bad[0].error > 0.1 and bad[0].as_dict()["passed"] is False
+    bf16 = selfcheck.run(cpu, torch.bfloat16, cpu_checks())  # the dtype runs train in: bf16 tolerance
+    assert all(c.passed and c.tolerance == selfcheck.TOLERANCE[torch.bfloat16] for c in bf16)
+
+
+def test_a_wrong_kernel_keeps_the_run_on_the_reference_path(monkeypatch, capsys, write_config):
+    """With the environment faked as able (CPU here), a failing self-check means: warning, reference path,
+    no module patched; forced 'on', the run stops; passing kernels turn the fast path on."""
+    import trainer.fastpath as fastpath
+
+    model = load(write_config, "lora")  # loaded (on CPU: reference path) before the environment is faked
+    monkeypatch.setattr(fastpath, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(fastpath, "_apply_liger", lambda model, rms_norm=True: False)
+    cpu = torch.device("cpu")
+    decision = decide("auto", cpu, torch.float32, cpu_checks(scaled_gradient_lora_linear))
+    assert not decision.enabled and decision.reason.startswith("kernel self-check failed: lora_linear off by")
+    assert "WARNING: the CUDA fast path is OFF for this run" in capsys.readouterr().err
+    report = apply(model, decision)
+    assert not report.enabled and not enabled(model)
+    assert [c["kernel"] for c in report.self_check if not c["passed"]] == ["lora_linear"]
+    assert not any("forward" in m.__dict__ for m in model.modules() if hasattr(m, "lora_A"))
+    with pytest.raises(FastPathUnavailable, match="performance.fast_path: on, but kernel self-check failed"):
+        decide("on", cpu, torch.float32, cpu_checks(scaled_gradient_lora_linear))
+    good = decide("auto", cpu, torch.float32, cpu_checks())
+    assert good.enabled and good.reason == ""
+    report = apply(model, good)
+    assert report.enabled and report.lora_modules_fused == 14 and report.mlp_blocks_fused == 2

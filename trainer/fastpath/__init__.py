@@ -16,13 +16,15 @@ What it does to a loaded (PEFT-wrapped) model, each piece only where it applies:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from trainer.data.dataset import IGNORE
 from trainer.families import ModelLoadError
+from trainer.fastpath import selfcheck
 from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_swiglu_mlps
 from trainer.training import chunked_loss
 
@@ -44,6 +46,7 @@ class FastPathReport:
     lora_modules_reference: int = 0
     mlp_blocks_fused: int = 0
     rms_norm: str = "liger"
+    self_check: list = field(default_factory=list)  # KernelCheck.as_dict() of each kernel checked
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,14 +64,40 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def wanted(mode: str, device: torch.device) -> bool:
-    """Decided before the model is built (QLoRA preparation differs); raises when 'on' cannot be met."""
+@dataclass(frozen=True)
+class Decision:
+    """Whether a run takes the fast path, why not, and the self-check behind it (made before the model is
+    built: QLoRA's preparation differs on the fast path)."""
+
+    enabled: bool
+    reason: str = ""
+    checks: tuple = ()
+
+
+def decide(mode: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, checks=None) -> Decision:
+    """``performance.fast_path`` on this device. Where the environment allows it, each kernel is first checked
+    against eager PyTorch here (trainer/fastpath/selfcheck.py): a mismatch keeps the run on the reference
+    path with a loud warning, or stops it when the fast path was forced 'on'."""
     if mode == "off":
-        return False
-    reason = unavailable_reason(device)
+        return Decision(False, "performance.fast_path: off")
+    reason, results = unavailable_reason(device), ()
+    if reason is None:
+        results = selfcheck.run(device, dtype, checks)
+        failed = selfcheck.failures(results)
+        if failed:
+            reason = "kernel self-check failed: " + "; ".join(
+                f"{f.kernel} off by {f.error:.3g} (tolerance {f.tolerance:g})" for f in failed
+            )
     if reason and mode == "on":
         raise FastPathUnavailable(f"performance.fast_path: on, but {reason}")
-    return reason is None
+    if reason and results:
+        print(f"WARNING: the CUDA fast path is OFF for this run: {reason}; training on the reference path",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return Decision(reason is None, reason or "", tuple(results))
+
+
+def wanted(mode: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, checks=None) -> bool:
+    return decide(mode, device, dtype, checks).enabled
 
 
 def _torch_rms_norm_forward(self, hidden):
@@ -115,15 +144,15 @@ def _quiet_liger():
         logger.setLevel(level)
 
 
-def apply(model, mode: str, device: torch.device, rms_norm: str = "liger") -> FastPathReport:
-    """Put the fast path on ``model`` where ``mode`` and the device allow; the report says what was done."""
+def apply(model, decision: Decision, rms_norm: str = "liger") -> FastPathReport:
+    """Put the fast path on ``model`` where ``decision`` allows; the report says what was done and carries the
+    self-check's measured errors."""
     target = chunked_loss.unwrap(model)
-    if not wanted(mode, device):
+    checks = [c.as_dict() for c in decision.checks]
+    if not decision.enabled:
         setattr(target, ENABLED_ATTRIBUTE, False)
-        return FastPathReport(
-            enabled=False, reason=unavailable_reason(device) or "performance.fast_path: off"
-        )
-    report = FastPathReport(enabled=True)
+        return FastPathReport(enabled=False, reason=decision.reason, self_check=checks)
+    report = FastPathReport(enabled=True, self_check=checks)
     report.liger_kernels = _apply_liger(model, rms_norm=rms_norm == "liger")
     if rms_norm == "torch":
         report.rms_norm = f"torch ({use_torch_rms_norm(model)} modules)"

@@ -313,7 +313,13 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
         check_lora_config(cfg, family, hf_config)
     kernel_path = family.kernel_path(hf_config)
     print(f"kernels: {family.name}/{model_type} runs on {kernel_path}", flush=True)
-    fast = family.name == "causal" and fastpath.wanted(cfg.performance.fast_path, device)
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        cfg.training.mixed_precision
+    ) or resolve_dtype(cfg)
+    if family.name == "causal":
+        fast = fastpath.decide(cfg.performance.fast_path, device, compute)
+    else:
+        fast = fastpath.Decision(False, f"the {family.name} family runs its own kernels ({kernel_path})")
     model = load_base_model(cfg, family, hf_config, device)
     if cfg.training.method == "qlora" and cfg.quantization.quantize_experts:
         if cfg.lora.target_parameters:
@@ -330,9 +336,9 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
         if cfg.training.method == "lora":
             model.enable_input_require_grads()
     if cfg.training.method in ("lora", "qlora"):
-        model = apply_peft(model, cfg, family, upcast_for_kbit=not fast)
+        model = apply_peft(model, cfg, family, upcast_for_kbit=not fast.enabled)
     report = size_report(model, cfg.training.method)
-    fast_report = fastpath.apply(model, cfg.performance.fast_path if fast else "off", device)
+    fast_report = fastpath.apply(model, fast)
     report["fast_path"] = fast_report.as_dict()
     if fast_report.enabled:
         print(f"fast path: {fast_report.as_dict()}", flush=True)

@@ -25,6 +25,7 @@ EXTRA = "extra"  # fields a record kind does not declare yet: written as they ar
 EVENTS = (
     "run_start",
     "resume",
+    "kernel_check",
     "config_changed",
     "checkpoint_saved",
     "checkpoint_pruned",

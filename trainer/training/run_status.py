@@ -87,6 +87,9 @@ def start_run(
         log.event("resume", step=step, from_checkpoint=str(resume_from.path))
     log.event("data_report", step=step, **data.report.as_event())
     log.event("model_report", step=step, **loaded.report)
+    checks = (loaded.report.get("fast_path") or {}).get("self_check")
+    if checks:  # the fast path's kernels against eager PyTorch on this device (trainer/fastpath/selfcheck.py)
+        log.event("kernel_check", step=step, passed=all(c["passed"] for c in checks), results=checks)
 
 
 def end_run(log: runfolder.RunLog, status: str, step: int, final_loss, best) -> None:
