@@ -274,6 +274,12 @@ def test_self_check_passes_the_shipped_kernels_and_catches_a_wrong_gradient():
     bad = selfcheck.run(cpu, torch.float32, cpu_checks(scaled_gradient_lora_linear))
     assert [c.kernel for c in selfcheck.failures(bad)] == ["lora_linear"]
     assert bad[0].error > 0.1 and bad[0].as_dict()["passed"] is False
+
+    def raising(device, dtype):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    broken = selfcheck.run(cpu, torch.float32, {"lora_linear": raising})
+    assert not broken[0].passed and broken[0].note.startswith("RuntimeError: no kernel image")
     bf16 = selfcheck.run(cpu, torch.bfloat16, cpu_checks())  # the dtype runs train in: bf16 tolerance
     assert all(c.passed and c.tolerance == selfcheck.TOLERANCE[torch.bfloat16] for c in bf16)
 
