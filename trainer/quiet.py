@@ -16,6 +16,9 @@ VERBOSE_ENV = "KIT_VERBOSE"  # set by launch_training.sh --verbose, read by ever
 # package is absent; its own CPU kernel runs instead, and nothing in the kit needs the faster one.
 NOISY_LOGS = {
     "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward",
+    # liger-kernel (the CUDA fast path) probes optional CuTe-DSL and Ascend backends at the first kernel call
+    # and logs each one it cannot import; its Triton kernels, the ones the fast path uses, run regardless.
+    "liger_kernel.backends.registry": "Backend impl '%s' for op '%s' could not be imported",
 }
 
 # (message regex, category, module regex). peft reads `model.is_gradient_checkpointing`, which

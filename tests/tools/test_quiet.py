@@ -97,3 +97,23 @@ def test_verbose_flag_before_or_after_the_verb():
     assert parser.parse_args(["--verbose", "list"]).verbose
     assert parser.parse_args(["list", "--verbose"]).verbose
     assert not parser.parse_args(["list"]).verbose
+
+
+def test_liger_backend_probes_are_dropped_and_its_other_warnings_kept(monkeypatch):
+    """liger-kernel logs each optional backend it cannot import at the first kernel call (seen on an H100)."""
+    monkeypatch.delenv(quiet.VERBOSE_ENV, raising=False)
+    logger = logging.getLogger("liger_kernel.backends.registry")
+    saved = list(logger.filters)
+    handler = Collect()
+    logger.addHandler(handler)
+    try:
+        quiet.install()
+        logger.warning(
+            "Backend impl '%s' for op '%s' could not be imported: %s: %s",
+            "liger_kernel.ops.backends._cutedsl.rope", "rope", "ImportError", "cutedsl backend requires ...",
+        )  # fmt: skip
+        logger.warning("no Triton kernel for op %s", "rope")
+    finally:
+        logger.removeHandler(handler)
+        logger.filters = saved
+    assert handler.messages == ["no Triton kernel for op rope"]
