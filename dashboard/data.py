@@ -18,7 +18,7 @@ from trainer.runfolder.reader import read_json_object, tail_records
 from trainer.runfolder.records import EvalRecord, TrainRecord
 from trainer.runfolder.rundata import RunData, files_mtime
 from trainer.runfolder.series import downsample_indices, last_ema
-from trainer.runfolder.summaries import best_eval, checkpoint_rows, experts  # noqa: F401 - api calls data.experts
+from trainer.runfolder.summaries import best_eval, checkpoint_rows, experts, kernels  # noqa: F401 - api calls data.experts
 
 from .errors import DashboardError
 from .runs import RunRegistry, StallPolicy, assess
@@ -110,43 +110,6 @@ def _elapsed(run: RunData, status: str, now: float) -> float | None:
     return max(0.0, end - started)
 
 
-def kernels(run: RunData) -> dict | None:
-    """Which kernels trained the run and whether they passed their start-up self-check (the run header).
-
-    From the last ``model_report`` and ``kernel_check`` events; None for runs that logged neither."""
-    report = check = None
-    for event in run.events.items:
-        if event.get("event") == "model_report":
-            report = event
-        elif event.get("event") == "kernel_check":
-            check = event
-    if report is None and check is None:
-        return None
-    fast = (report or {}).get("fast_path") if isinstance((report or {}).get("fast_path"), dict) else {}
-    results = [
-        r for r in ((check or {}).get("results") or fast.get("self_check") or []) if isinstance(r, dict)
-    ]
-    errors = [e for e in (finite(r.get("error")) for r in results) if e is not None]
-    failed = [r.get("kernel") for r in results if r.get("passed") is not True]
-    if failed:
-        summary = f"reference path: kernel self-check FAILED ({', '.join(map(str, failed))})"
-    elif fast.get("enabled"):
-        summary = "fast path" + (f", kernels checked (max error {max(errors):.1e})" if errors else "")
-    elif fast:
-        summary = f"reference path ({fast.get('reason') or 'fast path off'})"
-    else:
-        summary = f"kernels: {(report or {}).get('kernel_path') or 'unknown'}"
-    return {
-        "summary": summary,
-        "kernel_path": (report or {}).get("kernel_path"),
-        "fast_path": fast.get("enabled"),
-        "fast_path_reason": fast.get("reason") or None,
-        "self_check_passed": all(r.get("passed") is True for r in results) if results else None,
-        "self_check_max_error": max(errors) if errors else None,
-        "self_check_failed": failed,
-    }
-
-
 def stats(run: RunData, policy: StallPolicy, now: float | None = None) -> dict:
     """The numbers on the stat cards, and what ``curl /api/stats`` prints."""
     now = time.time() if now is None else now
@@ -189,7 +152,7 @@ def stats(run: RunData, policy: StallPolicy, now: float | None = None) -> dict:
             "resumes": sum(1 for e in run.events.items if e.get("event") == "resume"),
             "records": run.train.table.rows,
             "versions": run.versions(),
-            "kernels": kernels(run),
+            "kernels": kernels(run),  # trainer.runfolder.summaries
         }
 
 

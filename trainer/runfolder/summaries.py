@@ -188,3 +188,40 @@ def _balance(entry: dict) -> dict:
         "entropy": entropy,
         "max_entropy": math.log(len(counts)) if counts else None,
     }
+
+
+def kernels(run: RunData) -> dict | None:
+    """Which kernels trained the run and whether they passed their start-up self-check (the run header).
+
+    From the last ``model_report`` and ``kernel_check`` events; None for runs that logged neither."""
+    report = check = None
+    for event in run.events.items:
+        if event.get("event") == "model_report":
+            report = event
+        elif event.get("event") == "kernel_check":
+            check = event
+    if report is None and check is None:
+        return None
+    fast = (report or {}).get("fast_path") if isinstance((report or {}).get("fast_path"), dict) else {}
+    results = [
+        r for r in ((check or {}).get("results") or fast.get("self_check") or []) if isinstance(r, dict)
+    ]
+    errors = [e for e in (finite(r.get("error")) for r in results) if e is not None]
+    failed = [r.get("kernel") for r in results if r.get("passed") is not True]
+    if failed:
+        summary = f"reference path: kernel self-check FAILED ({', '.join(map(str, failed))})"
+    elif fast.get("enabled"):
+        summary = "fast path" + (f", kernels checked (max error {max(errors):.1e})" if errors else "")
+    elif fast:
+        summary = f"reference path ({fast.get('reason') or 'fast path off'})"
+    else:
+        summary = f"kernels: {(report or {}).get('kernel_path') or 'unknown'}"
+    return {
+        "summary": summary,
+        "kernel_path": (report or {}).get("kernel_path"),
+        "fast_path": fast.get("enabled"),
+        "fast_path_reason": fast.get("reason") or None,
+        "self_check_passed": all(r.get("passed") is True for r in results) if results else None,
+        "self_check_max_error": max(errors) if errors else None,
+        "self_check_failed": failed,
+    }
