@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from trainer.data.dataset import IGNORE
 from trainer.families import ModelLoadError
+from trainer.families import head as model_head
 from trainer.fastpath import selfcheck
 from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_swiglu_mlps
-from trainer.training import chunked_loss
 
 ENABLED_ATTRIBUTE = "_kit_fast_path"
 MODES = ("auto", "on", "off")
@@ -120,7 +120,7 @@ def _apply_liger(model, rms_norm: bool = True) -> bool:
     """Liger's norm, RoPE and SwiGLU kernels on this model instance (its loss patches stay off: ours is used)."""
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
-    base = chunked_loss.unwrap(model)
+    base = model_head.unwrap(model)
     base = getattr(base, "get_base_model", lambda: base)()
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(getattr(base.config, "model_type", None))
     if apply is None:
@@ -147,7 +147,7 @@ def _quiet_liger():
 def apply(model, decision: Decision, rms_norm: str = "liger") -> FastPathReport:
     """Put the fast path on ``model`` where ``decision`` allows; the report says what was done and carries the
     self-check's measured errors."""
-    target = chunked_loss.unwrap(model)
+    target = model_head.unwrap(model)
     checks = [c.as_dict() for c in decision.checks]
     if not decision.enabled:
         setattr(target, ENABLED_ATTRIBUTE, False)
@@ -159,9 +159,9 @@ def apply(model, decision: Decision, rms_norm: str = "liger") -> FastPathReport:
     # MLP blocks first: their projections then stay on the block's function, not the per-module one.
     report.mlp_blocks_fused = patch_swiglu_mlps(model)
     report.lora_modules_fused, report.lora_modules_reference = patch_lora_linears(model)
-    head = chunked_loss.output_head(model)
+    head = model_head.output_head(model)
     report.fused_loss = (
-        chunked_loss.supports_chunked_loss(model) and type(head) is torch.nn.Linear and head.bias is None
+        model_head.supports_chunked_loss(model) and type(head) is torch.nn.Linear and head.bias is None
     )
     setattr(target, ENABLED_ATTRIBUTE, report.fused_loss)
     if report.lora_modules_fused == 0 and lora_module_count(model) == 0:
@@ -171,7 +171,7 @@ def apply(model, decision: Decision, rms_norm: str = "liger") -> FastPathReport:
 
 def enabled(model) -> bool:
     """True when the loss of this model goes through the fused linear cross-entropy."""
-    return bool(getattr(chunked_loss.unwrap(model), ENABLED_ATTRIBUTE, False))
+    return bool(getattr(model_head.unwrap(model), ENABLED_ATTRIBUTE, False))
 
 
 def _liger_flce():

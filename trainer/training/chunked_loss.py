@@ -12,31 +12,22 @@ after the head): the allow-list below.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainer.data.dataset import IGNORE
+from trainer.families.head import (  # noqa: F401 - the loss's view of the model, shared with trainer/fastpath
+    PLAIN_HEAD_MODEL_TYPES,
+    head_bypassed,
+    output_head,
+    supports_chunked_loss,
+    unwrap,
+)
 
 CHUNK_TOKENS = 2048
 
-# model_type -> logits are lm_head(final hidden state), nothing applied after.
-PLAIN_HEAD_MODEL_TYPES = frozenset(
-    {
-        "llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "olmoe",
-        "phi3", "deepseek_v3",
-    }
-)  # fmt: skip
-
-
 ENABLED_ATTRIBUTE = "_kit_chunked_loss"
-
-
-def supports_chunked_loss(model) -> bool:
-    config = getattr(unwrap(model), "config", None)
-    return getattr(config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES
 
 
 def enable(model, wanted: bool) -> bool:
@@ -48,29 +39,6 @@ def enable(model, wanted: bool) -> bool:
 
 def enabled(model) -> bool:
     return bool(getattr(unwrap(model), ENABLED_ATTRIBUTE, False))
-
-
-def unwrap(model):
-    return getattr(model, "module", model)
-
-
-def output_head(model) -> torch.nn.Module:
-    """The module that maps hidden states to logits (a LoRA-wrapped Linear when LoRA targets lm_head)."""
-    return unwrap(model).get_output_embeddings()
-
-
-@contextlib.contextmanager
-def head_bypassed(head: torch.nn.Module):
-    """During the model's forward the head returns its input, so ``.logits`` holds the hidden states."""
-    previous = head.__dict__.get("forward")  # an accelerate hook may already wrap it
-    head.forward = lambda hidden, *args, **kwargs: hidden
-    try:
-        yield
-    finally:
-        if previous is not None:
-            head.forward = previous
-        else:
-            del head.forward  # back to the class's forward
 
 
 def _chunk_ce(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
