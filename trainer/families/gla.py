@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from trainer.families import register
 from trainer.families.base import Family, ModelLoadError
-from trainer.families.extras import MODEL_TYPES, install_command
+from trainer.families.extras import MODEL_TYPES
 
 KERNEL_TRITON = "fla-triton"
 KERNEL_REFERENCE = "fla-naive-torch"
@@ -37,7 +37,7 @@ def _import_fla():
         import fla.models  # noqa: F401
     except ImportError as exc:
         raise ModelLoadError(
-            f"model: the gla family needs flash-linear-attention ({install_command(['gla'])}): {exc}"
+            f"model: the gla family needs flash-linear-attention (pip install -e .[gla]): {exc}"
         ) from exc
 
 
