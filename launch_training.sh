@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Train with one YAML config: sets up .venv on first use, validates the config, then runs the trainer
-# under `accelerate launch` (plain python on one device). ./launch_training.sh --help for the options.
+# Train with one YAML config: sets up .venv on first use, validates the config, installs what its model
+# needs, then runs the trainer under `accelerate launch` (plain python on one device). --help: the options.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 invoked_as="$0"
@@ -11,7 +11,8 @@ Usage: ./launch_training.sh [--config FILE] [--set section.key=value ...] [--res
                             [--extend] [--num_processes N] [--max_restarts N] [--verbose]
 
 Trains with one YAML config (default: training_config.yaml, the tiny embedded example). Sets up .venv on
-first use, checks the config (bad input: one line, exit 2), then runs `python -m trainer train` under
+first use, checks the config (bad input: one line, exit 2), installs what its model needs (GLA: the gla
+extra; where that fails, one line with the pip command, exit 2), then runs `python -m trainer train` under
 `accelerate launch` on all local GPUs. Resumes by itself when paths.output_dir holds a checkpoint; a
 finished run is left as it is (exit 0) unless --extend trains it further to a larger training.max_steps.
 
@@ -65,12 +66,14 @@ fi
 
 # shellcheck source=scripts/setup_venv.sh
 . "$ROOT/scripts/setup_venv.sh"
-setup_venv "$(train_extras)" || { echo "launch_training.sh: environment setup failed" >&2; exit 1; }
+base_extras="$(train_extras)"
+setup_venv "$base_extras" || { echo "launch_training.sh: environment setup failed" >&2; exit 1; }
 # The trainer next to this script, whichever checkout the venv's editable install points at (as sweep.sh).
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-# Fail fast, once, on a bad config (exit 2) before any process loads a model.
-python -m trainer check-config "${config_args[@]}" >/dev/null || exit $?
+# Fail fast, once, on a bad config (exit 2) before any process loads a model; then install what the
+# config's model needs beyond the base set (GLA: the gla extra), or name the command that does (exit 2).
+setup_model_extras "$base_extras" "${config_args[@]}" || exit $?
 
 if [ -z "$num_processes" ]; then
   num_processes=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)

@@ -17,9 +17,17 @@ train_extras() {
   fi
 }
 
+kit_root() { cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd; }
+
+# The file that says "these extras were installed for this pyproject.toml": set-up skips pip when it exists.
+venv_stamp() {
+  local root; root="$(kit_root)"
+  echo "${VENV_DIR:-$root/.venv}/.installed-$(echo "$1" | tr ',' '-')-$(cksum < "$root/pyproject.toml" | cut -d' ' -f1)"
+}
+
 setup_venv() {
   local extras="$1"
-  local root; root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  local root; root="$(kit_root)"
   local venv="${VENV_DIR:-$root/.venv}"
   if [ ! -x "$venv/bin/python" ]; then
     echo "[setup] creating virtual environment in $venv" >&2
@@ -27,7 +35,7 @@ setup_venv() {
   fi
   # shellcheck disable=SC1091
   . "$venv/bin/activate"
-  local stamp="$venv/.installed-$(echo "$extras" | tr ',' '-')-$(cksum < "$root/pyproject.toml" | cut -d' ' -f1)"
+  local stamp; stamp="$(venv_stamp "$extras")"
   if [ -f "$stamp" ]; then
     return 0
   fi
@@ -43,4 +51,26 @@ setup_venv() {
     PYTHONWARNINGS="$EDITABLE_WARNING_FILTER" python -m pip install -q -e "$root[$extras]" || return 1
   fi
   touch "$stamp"
+}
+
+# After setup_venv BASE: the extras the config's model needs (GLA: gla), found by `python -m trainer needs`
+# from its config.json, installed like BASE. Checks the config on the way (bad input: its line, exit 2).
+# Where pip cannot install them (offline, no wheel), one line naming the command to run, and exit 2,
+# before any model loads. Mamba's compiled kernels are never installed here: `needs` prints how (stderr).
+# Usage: setup_model_extras "$(train_extras)" --config FILE [--set KEY=VALUE ...]
+setup_model_extras() {
+  local base="$1"; shift
+  local missing code
+  missing="$(python -m trainer needs --missing "$@")"
+  code=$?
+  [ "$code" = 0 ] || return "$code"
+  [ -n "$missing" ] || return 0
+  local extras="$base,$missing"
+  rm -f "$(venv_stamp "$extras")"  # they are missing, whatever an old stamp says
+  if setup_venv "$extras" && [ -z "$(python -m trainer needs --missing "$@" 2>/dev/null)" ]; then
+    return 0
+  fi
+  echo "[setup] error: could not install the [$missing] extra this model needs; run:" \
+    "$(command -v python) -m pip install -e '$(kit_root)[$extras]'  (then launch again)" >&2
+  return 2
 }

@@ -20,6 +20,7 @@ VERBOSE_HELP = "show third-party warnings the kit hides by default (also: KIT_VE
 VERBS = [
     "trainer.commands.train",
     "trainer.commands.check_config",
+    "trainer.commands.needs",
     "trainer.commands.evaluate",
     "trainer.commands.plan",
     "trainer.commands.info",

@@ -196,3 +196,92 @@ def test_a_gpu_machine_gets_the_fast_path_extra(tmp_path):
 
     assert extras(f"{fake}:/usr/bin:/bin") == "train,fast"
     assert extras("/usr/bin:/bin") == "train"
+
+
+def model_extras(tmp_path: Path, needs_answer: str, pip_ok: bool = True, needs_code: int = 0):
+    """Run setup_model_extras in a stand-in venv whose `python` answers `-m trainer needs` with needs_answer
+    (until a pip install succeeds) and records its calls: (return code, calls, stderr)."""
+    script = REPO / "scripts" / "setup_venv.sh"
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    calls, answer = tmp_path / "calls.txt", tmp_path / "missing.txt"
+    calls.write_text("")
+    answer.write_text(needs_answer)
+    install = f': > "{answer}"' if pip_ok else "exit 1"  # a successful install leaves nothing missing
+    (venv / "bin" / "python").write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> "{calls}"\n'
+        'case "$*" in\n'
+        f'  "-m trainer needs"*) cat "{answer}"; exit {needs_code} ;;\n'
+        f'  *"pip install"*" -e "*) {install} ;;\n'
+        "esac\n"
+    )
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / "bin" / "activate").write_text(f'PATH="{venv / "bin"}:$PATH"\n')
+    env = dict(os.environ, VENV_DIR=str(venv), PATH=f"{venv / 'bin'}:{os.environ['PATH']}", KIT_VERBOSE="0")
+    result = subprocess.run(
+        ["bash", "-c", f'. "{script}"; setup_model_extras train --config x.yaml --set a.b=1'],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    return result.returncode, calls.read_text().splitlines(), result.stderr
+
+
+def test_the_launcher_installs_the_extra_a_model_needs(tmp_path):
+    """`needs` says gla: the kit is installed with [train,gla] (even under an old stamp), then checked again."""
+    stale = subprocess.run(
+        ["bash", "-c", f'. "{REPO / "scripts" / "setup_venv.sh"}"; venv_stamp train,gla'],
+        env=dict(os.environ, VENV_DIR=str(tmp_path / "venv")),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    Path(stale).parent.mkdir(parents=True)
+    Path(stale).touch()
+    code, calls, stderr = model_extras(tmp_path, "gla")
+    assert code == 0, stderr
+    assert calls[0] == "-m trainer needs --missing --config x.yaml --set a.b=1"
+    assert [c for c in calls if " -e " in c] == [f"-m pip install -q -e {REPO}[train,gla]"]
+    assert calls[-1] == calls[0] and Path(stale).exists()
+
+
+def test_nothing_missing_installs_nothing(tmp_path):
+    code, calls, stderr = model_extras(tmp_path, "")
+    assert (code, calls, stderr) == (0, ["-m trainer needs --missing --config x.yaml --set a.b=1"], "")
+
+
+def test_a_bad_config_stops_the_launcher_before_any_install(tmp_path):
+    code, calls, _ = model_extras(tmp_path, "", needs_code=2)
+    assert code == 2 and len(calls) == 1
+
+
+def test_an_extra_that_cannot_be_installed_stops_with_the_command_to_run(tmp_path):
+    """Offline or no wheel: one line with the exact pip command, exit 2, before any model loads."""
+    code, calls, stderr = model_extras(tmp_path, "gla", pip_ok=False)
+    assert code == 2
+    python = tmp_path / "venv" / "bin" / "python"
+    assert stderr.splitlines()[-1] == (
+        "[setup] error: could not install the [gla] extra this model needs; run: "
+        f"{python} -m pip install -e '{REPO}[train,gla]'  (then launch again)"
+    )
+    assert not any("trainer train" in c for c in calls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "config",
+    [
+        "training_config.yaml",
+        *sorted(p.relative_to(REPO).as_posix() for p in REPO.glob("configs/tiny-*.yaml")),
+    ],
+)
+def test_every_example_config_trains_through_the_launcher(config, tmp_path):
+    """The README's first command with --config, for the default and every tiny example (GLA, Mamba, Mamba-2):
+    the shared venv has their extras, so the install step finds nothing to do; two steps, a finished run."""
+    out = tmp_path / "run"
+    result = launch("--config", config, "--set", "training.max_steps=2", "--set", f"paths.output_dir={out}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[setup]" not in result.stderr
+    info = json.loads((out / "run.json").read_text())
+    assert info["status"] == "finished" and info["step"] == 2

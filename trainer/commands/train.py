@@ -78,6 +78,7 @@ def run(args) -> int:
     from trainer.cli import EXIT_BAD_INPUT, EXIT_RUN_EXISTS
     from trainer.data.dataset import DataError
     from trainer.families import ModelLoadError
+    from trainer.families.extras import require_installed
     from trainer.training.checkpoint_files import CheckpointError, list_checkpoints
     from trainer.training.loop import train
 
@@ -87,6 +88,11 @@ def run(args) -> int:
         print(message, file=sys.stderr if stop_with else sys.stdout, flush=True)
     if stop_with is not None:
         return stop_with
+    try:  # before anything loads: transformers' "model type not recognized" says nothing about the fix
+        require_installed(config)
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if args.auto_plan:
         from trainer.commands.plan import plan_and_record, recorded_plan, refusal
 

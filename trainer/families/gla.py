@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from trainer.families import register
 from trainer.families.base import Family, ModelLoadError
+from trainer.families.extras import MODEL_TYPES
 
 KERNEL_TRITON = "fla-triton"
 KERNEL_REFERENCE = "fla-naive-torch"
@@ -243,7 +244,7 @@ def model_inputs(batch: dict) -> dict:
 
 GLA = Family(
     name="gla",
-    model_types=("gla",),
+    model_types=MODEL_TYPES["gla"],
     default_lora_targets=["q_proj", "k_proj", "v_proj", "g_proj", "o_proj"],
     packing=True,  # through cu_seqlens, see model_inputs
     load=load_gla,

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from trainer.families import register
 from trainer.families.base import Family, ModelLoadError
+from trainer.families.extras import MODEL_TYPES
 
 KERNEL_MAMBA_SSM = "mamba_ssm"
 KERNEL_FLA = "fla-triton-ssd"
@@ -313,7 +314,7 @@ def model_inputs(batch: dict) -> dict:
 
 MAMBA = Family(
     name="mamba",
-    model_types=("mamba", "mamba2"),
+    model_types=MODEL_TYPES["mamba"],
     default_lora_targets=default_lora_targets,
     packing=False,
     load=load_mamba,
