@@ -70,6 +70,11 @@ def check_local_folder(path: Path, random_init: bool) -> None:
 def load_hf_config(cfg: Config):
     from transformers import AutoConfig
 
+    from trainer.families.extras import require_installed
+
+    require_installed(
+        cfg
+    )  # every verb that loads a model: the pip command, not transformers' "not recognized"
     name = cfg.model.name_or_path
     if is_local(name):
         check_local_folder(Path(name).expanduser(), cfg.model.random_init)
