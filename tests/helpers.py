@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,3 +73,14 @@ def wait_for(predicate, timeout: float = 300, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+def measured(fn, *args):
+    """``fn(*args)``, its wall time and the peak of memory allocated meanwhile (tracemalloc)."""
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        result = fn(*args)
+        return result, time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()

@@ -10,12 +10,11 @@ a regression trips the bound early instead of exhausting the machine.
 from __future__ import annotations
 
 import random
-import time
-import tracemalloc
 from collections.abc import Iterator
 
 import pytest
 
+from tests.helpers import measured
 from trainer.tasks import get_task
 from trainer.tasks.sql_example import write_example_spider
 from trainer.tasks.sql_match import exact_set_match
@@ -79,17 +78,6 @@ def adversarial_answers(seed: int = 11) -> Iterator[tuple[str, str]]:
         yield f"quote soup {i}", "".join(rng.choice("'\"`[]()-/*; select") for _ in range(length))
         yield f"token soup {i}", " ".join(rng.choice(VOCAB) for _ in range(length))
         yield f"select soup {i}", "SELECT " + " ".join(rng.choice(VOCAB) for _ in range(length))
-
-
-def measured(fn, *args):
-    """``fn(*args)``, its wall time and the peak of memory allocated meanwhile."""
-    tracemalloc.start()
-    start = time.perf_counter()
-    try:
-        result = fn(*args)
-        return result, time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 @pytest.fixture(scope="module")

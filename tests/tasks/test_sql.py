@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-import tracemalloc
 
 import pytest
 
+from tests.helpers import measured
 from trainer.tasks import TaskDataError, get_task
 from trainer.tasks.sql_example import QUESTIONS, write_example_spider
 from trainer.tasks.sql_exec import SqliteRunner, results_match
@@ -193,17 +193,6 @@ def nested(depth: int) -> str:
     for _ in range(depth):
         query = f"SELECT name FROM singer WHERE singer_id IN ({query})"
     return query
-
-
-def measured(fn, *args):
-    """``fn(*args)``, its wall time and its peak of traced memory in bytes."""
-    tracemalloc.start()
-    start = time.perf_counter()
-    try:
-        result = fn(*args)
-        return result, time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def test_canonical_forms_grow_linearly_with_nesting():
