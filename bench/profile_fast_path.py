@@ -50,7 +50,8 @@ def make_cfg(args, out: Path):
 
     cfg = {
         "paths": {"output_dir": str(out), "train_file": str(Path(__file__).resolve().parent.parent / "data" / "tiny_corpus.jsonl")},
-        "model": {"name_or_path": args.model, "random_init": not (Path(args.model) / "model.safetensors").exists()},
+        "model": {"name_or_path": args.model, "random_init": not (Path(args.model) / "model.safetensors").exists(),
+                  "attn_implementation": args.attn},
         "training": {"method": args.method, "mixed_precision": "bf16", "micro_batch_size": args.batch},
         "lora": {"r": 16, "alpha": 32, "dropout": 0.0,
                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
@@ -120,7 +121,8 @@ def time_and_profile(args, out):
         times.append(start.elapsed_time(end) / 1000)
     med = sorted(times)[len(times) // 2]
     row = {
-        "name": f"{args.method}{'+gc' if args.gc else ''} fast={args.fast} norm={args.norm}",
+        "name": f"{args.method}{'+gc' if args.gc else ''} fast={args.fast} norm={args.norm} attn={args.attn}"
+        f"{' no-qkv-group' if args.no_group else ''}",
         "step_s": round(med, 4),
         "tokens_per_sec": round(args.batch * args.seq / med),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -174,7 +176,7 @@ def check_functions():
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbf
 
-    from trainer.fastpath.lora_ops import BaseWeight, lora_linear, lora_mlp
+    from trainer.fastpath.lora_ops import BaseWeight, lora_group, lora_linear, lora_mlp
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
@@ -201,6 +203,33 @@ def check_functions():
     ref = x @ dense.t() + 2.0 * (x @ a.t()) @ b.t()
     ref.backward(gy)
     res["lora_linear_nf4_fp32"] = max(rel(m, r) for m, r in zip(mine, [ref.detach(), x.grad, a.grad, b.grad]))
+    # Q/K/V as one group on NF4 bases of two shapes (the dequant buffer is shared by K and V)
+    nf4 = []
+    for out_dim in (512, 128, 128):
+        w_ = torch.randn(out_dim, 256, device=dev) * 0.05
+        q_, st_ = bnbf.quantize_4bit(
+            w_, quant_type="nf4", compress_statistics=True, quant_storage=torch.uint8
+        )
+        st_.dtype = torch.float32
+        param = bnb.nn.Params4bit(
+            q_, requires_grad=False, quant_state=st_, bnb_quantized=True, quant_type="nf4"
+        )
+        nf4.append((param, bnbf.dequantize_4bit(q_, st_).float()))
+    lo = [((torch.randn(16, 256, device=dev) * 0.1).requires_grad_(),
+           (torch.randn(d.shape[0], 16, device=dev) * 0.1).requires_grad_()) for _, d in nf4]  # fmt: skip
+    x = torch.randn(4, 64, 256, device=dev, requires_grad=True)
+    outs = lora_group(x, *[(a_, b_, BaseWeight(p_, None), 2.0) for (a_, b_), (p_, _) in zip(lo, nf4)])
+    gys = [torch.randn_like(o) for o in outs]
+    sum((o * g).sum() for o, g in zip(outs, gys)).backward()
+    leaves = [x] + [t for pr in lo for t in pr]
+    mine = [o.detach() for o in outs] + [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    refs = [x @ d.t() + 2.0 * (x @ a_.t()) @ b_.t() for (a_, b_), (_, d) in zip(lo, nf4)]
+    sum((o * g).sum() for o, g in zip(refs, gys)).backward()
+    res["lora_qkv_group_nf4_fp32"] = max(
+        rel(m, r) for m, r in zip(mine, [o.detach() for o in refs] + [t.grad for t in leaves])
+    )
     # SwiGLU block with Liger's kernels
     ws = [torch.randn(1024, 256, device=dev) * 0.05, torch.randn(1024, 256, device=dev) * 0.05,
           torch.randn(256, 1024, device=dev) * 0.05]  # fmt: skip
@@ -274,6 +303,8 @@ def main():
     p.add_argument("--trace", action="store_true")
     p.add_argument("--check", action="store_true")
     p.add_argument("--out", default="/tmp/profile")
+    p.add_argument("--attn", default=None, help="model.attn_implementation (default: the kit's choice)")
+    p.add_argument("--no-group", action="store_true", help="Q/K/V as three nodes (the lever's before)")
     p.add_argument("--save-model", action="store_true")
     p.add_argument(
         "--norm", choices=["liger", "torch"], default="liger", help="RMSNorm kernel on the fast path"
@@ -287,6 +318,10 @@ def main():
         from trainer import fastpath
 
         fastpath.apply = functools.partial(fastpath.apply, rms_norm=args.norm)
+    if args.no_group:
+        from trainer.fastpath import patch
+
+        patch.patch_qkv_groups = lambda model: 0
     if args.save_model:  # random-init once, in bf16: every later process loads it in seconds
         from transformers import AutoConfig, AutoModelForCausalLM
 

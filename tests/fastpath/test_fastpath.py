@@ -15,6 +15,7 @@ from tests.helpers import REPO
 from trainer.config import load_config
 from trainer.fastpath import FastPathUnavailable, apply, decide, enabled, wanted
 from trainer.fastpath.lora_ops import BaseWeight, lora_linear, lora_mlp
+from trainer.fastpath.lora_ops import lora_group as patch_lora_group
 from trainer.fastpath.patch import patch_lora_linears, patch_swiglu_mlps, unpatch
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -56,14 +57,20 @@ def loss_and_grads(model, ids):
 
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_fused_lora_model_matches_peft_in_fp32(write_config, method):
+def test_fused_lora_model_matches_peft_in_fp32(write_config, method, monkeypatch):
+    from trainer.fastpath import patch
+
     model = load(write_config, method)
     ids = torch.randint(3, 1024, (2, 24))
     ref_loss, ref_dx, ref_grads = loss_and_grads(model, ids)
     mlps = patch_swiglu_mlps(model)
     patched, skipped = patch_lora_linears(model)
-    assert (mlps, patched, skipped) == (2, 14, 0)
+    groups = patch.patch_qkv_groups(model)
+    assert (mlps, patched, skipped, groups) == (2, 14, 0, 2)
+    grouped_calls = []
+    monkeypatch.setattr(patch, "lora_group", lambda *a: grouped_calls.append(1) or patch_lora_group(*a))
     loss, dx, grads = loss_and_grads(model, ids)
+    assert len(grouped_calls) == 2  # Q/K/V really ran as one node in each layer of the real attention code
     assert abs(float(loss - ref_loss)) < 1e-5
     assert rel_err(dx, ref_dx) < 1e-5
     assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 7 * 2
@@ -306,3 +313,55 @@ def test_a_wrong_kernel_keeps_the_run_on_the_reference_path(monkeypatch, capsys,
     assert good.enabled and good.reason == ""
     report = apply(model, good)
     assert report.enabled and report.lora_modules_fused == 14 and report.mlp_blocks_fused == 2
+
+
+def test_lora_group_matches_separate_projections_in_fp32():
+    """Q/K/V as one node (stacked A GEMM, dx accumulated): outputs and every gradient equal three plain
+    projections', with different ranks and scales, and an output left unused."""
+    from trainer.fastpath.lora_ops import lora_group
+
+    torch.manual_seed(4)
+    hidden = 24
+    shapes = [(32, 4, 0.5), (8, 4, 2.0), (8, 2, 1.0)]  # (out, rank, scale)
+    weights = [torch.randn(out, hidden) * 0.1 for out, _, _ in shapes]
+    bias = torch.randn(8)
+    loras = [
+        ((torch.randn(r, hidden) * 0.1).requires_grad_(), (torch.randn(out, r) * 0.1).requires_grad_())
+        for out, r, _ in shapes
+    ]
+    x = torch.randn(3, 5, hidden, requires_grad=True)
+    bases = [BaseWeight(weights[0], None), BaseWeight(weights[1], bias), BaseWeight(weights[2], None)]
+    parts = [(a, b, base, s) for (a, b), base, (_, _, s) in zip(loras, bases, shapes)]
+    q, k, _unused_v = lora_group(x, *parts)
+    grads_out = [torch.randn_like(q), torch.randn_like(k)]
+    (q * grads_out[0]).sum().add_((k * grads_out[1]).sum()).backward()
+    leaves = [x] + [t for pair in loras for t in pair]
+    got = [q.detach(), k.detach()] + [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    ref_q = x @ weights[0].t() + 0.5 * (x @ loras[0][0].t()) @ loras[0][1].t()
+    ref_k = x @ weights[1].t() + bias + 2.0 * (x @ loras[1][0].t()) @ loras[1][1].t()
+    ref_v = x @ weights[2].t() + 1.0 * (x @ loras[2][0].t()) @ loras[2][1].t()
+    (ref_q * grads_out[0]).sum().add_((ref_k * grads_out[1]).sum()).add_(ref_v.sum() * 0).backward()
+    want = [ref_q.detach(), ref_k.detach()] + [
+        t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves
+    ]
+    for i, (mine, theirs) in enumerate(zip(got, want)):
+        assert float((mine - theirs).abs().max()) < 1e-5, i
+    assert float(loras[2][0].grad.abs().max()) == 0.0  # V unused: no gradient reaches its LoRA pair
+
+
+def test_grouped_qkv_falls_back_when_the_attention_code_does_something_else(write_config):
+    """K called on another tensor than Q was gets its own node (never Q's stashed output)."""
+    from trainer.fastpath.patch import STASH, patch_qkv_groups
+
+    model = load(write_config, "lora")
+    patch_lora_linears(model)
+    assert patch_qkv_groups(model) == 2
+    attn = next(m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "k_proj"))
+    x, other = torch.randn(1, 4, attn.q_proj.in_features), torch.randn(1, 4, attn.q_proj.in_features)
+    attn.q_proj(x)
+    k_other = attn.k_proj(other)
+    unpatch(model)
+    assert torch.allclose(k_other, attn.k_proj(other), atol=1e-6)
+    assert STASH not in attn.v_proj.__dict__

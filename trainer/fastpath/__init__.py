@@ -6,7 +6,8 @@ anything it cannot handle keep the reference path, which stays the one it is tes
 What it does to a loaded (PEFT-wrapped) model, each piece only where it applies:
 - Liger's RMSNorm, RoPE and SwiGLU kernels for the model types Liger knows (``liger_kernel``);
 - every plain-LoRA projection as one autograd node, 4-bit bases dequantized into a reused buffer
-  (``lora_ops``, ``patch``), and gate/up/down SwiGLU blocks as one node that recomputes the activation;
+  (``lora_ops``, ``patch``), Q/K/V of an attention block as one node, and gate/up/down SwiGLU blocks as
+  one node that recomputes the activation;
 - the next-token loss through Liger's fused linear cross-entropy (the head and the loss in chunks, the
   gradient computed in the forward), where the logits are exactly ``lm_head(hidden)``;
 - for QLoRA, no fp32 upcast of norms and embeddings (``prepare_model_for_kbit_training`` does that for
@@ -26,7 +27,7 @@ from trainer.data.dataset import IGNORE
 from trainer.families import ModelLoadError
 from trainer.families import head as model_head
 from trainer.fastpath import selfcheck
-from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_swiglu_mlps
+from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_qkv_groups, patch_swiglu_mlps
 
 ENABLED_ATTRIBUTE = "_kit_fast_path"
 MODES = ("auto", "on", "off")
@@ -45,6 +46,7 @@ class FastPathReport:
     lora_modules_fused: int = 0
     lora_modules_reference: int = 0
     mlp_blocks_fused: int = 0
+    qkv_groups_fused: int = 0
     rms_norm: str = "liger"
     self_check: list = field(default_factory=list)  # KernelCheck.as_dict() of each kernel checked
 
@@ -159,6 +161,7 @@ def apply(model, decision: Decision, rms_norm: str = "liger") -> FastPathReport:
     # MLP blocks first: their projections then stay on the block's function, not the per-module one.
     report.mlp_blocks_fused = patch_swiglu_mlps(model)
     report.lora_modules_fused, report.lora_modules_reference = patch_lora_linears(model)
+    report.qkv_groups_fused = patch_qkv_groups(model)
     head = model_head.output_head(model)
     report.fused_loss = (
         model_head.supports_chunked_loss(model) and type(head) is torch.nn.Linear and head.bias is None

@@ -6,6 +6,7 @@ into the base GEMM's output with one ``addmm_`` (scale in its ``alpha``), the ba
 gradient the same way, and a 4-bit weight is dequantized into a buffer reused by every layer of that shape
 instead of a fresh allocation per use. ``lora_mlp`` does the same for a gate/up/down SwiGLU block and keeps
 only the block's input and the two pre-activation tensors: the activation product is recomputed in backward.
+``lora_group`` runs several projections of one input (Q, K and V) as one node with one stacked A GEMM.
 
 Maths (W: out x in, A: r x in, B: out x r, s: scale, x: N x in):
     y  = x W^T + s (x A^T) B^T
@@ -97,18 +98,15 @@ def _forward(x2: torch.Tensor, base: BaseWeight, a: torch.Tensor, b: torch.Tenso
     return y, xa
 
 
-def _backward(dy: torch.Tensor, x2, xa, base: BaseWeight, a, b, scale: float, need_dx: bool, into=None):
-    """Gradients of one LoRA projection: dx (or None), dA, dB, all in the compute dtype.
-
-    ``into``: an input gradient to accumulate onto (two projections of one input), in the GEMM's epilogue.
-    """
+def _backward(dy: torch.Tensor, x2, xa, base: BaseWeight, a, b, scale: float, need_dx: bool):
+    """Gradients of one LoRA projection: dx (or None), dA, dB, all in the compute dtype."""
     dyb = (dy @ b).mul_(scale)  # N x r
     grad_a = dyb.t() @ x2
     grad_b = dy.t() @ (xa * scale)
     grad_x = None
     if need_dx:
         w = base.materialize(dy.dtype)
-        grad_x = dy @ w if into is None else into.addmm_(dy, w)
+        grad_x = dy @ w
         grad_x.addmm_(dyb, a)
     return grad_x, grad_a, grad_b
 
@@ -142,6 +140,84 @@ def lora_linear(x: torch.Tensor, a_weight, b_weight, base: BaseWeight, scale: fl
     return LoraLinearFunction.apply(x, a_weight, b_weight, base, scale, compute_dtype(x))
 
 
+# ------------------------------------------------------------------ projections of one input (Q/K/V)
+
+
+def _group_forward(x2: torch.Tensor, bases, a_list, b_list, scales):
+    """Several LoRA projections of one input: one GEMM for all the A products (their weights stacked),
+    then each base GEMM with its B product folded in. Returns the outputs and x A^T (N x sum of ranks)."""
+    a_all = torch.cat(a_list) if len(a_list) > 1 else a_list[0]
+    xa = x2 @ a_all.t()
+    outs, start = [], 0
+    for base, b, scale in zip(bases, b_list, scales):
+        w = base.materialize(x2.dtype)
+        y = x2 @ w.t() if base.bias is None else torch.addmm(base.bias.to(x2.dtype), x2, w.t())
+        rank = b.shape[1]
+        y.addmm_(xa[:, start : start + rank], b.t(), alpha=scale)
+        outs.append(y)
+        start += rank
+    return outs, xa, a_all
+
+
+def _group_backward(dys, x2, xa, a_all, bases, b_list, scales, need_dx: bool):
+    """dx (or None) and each projection's (dA, dB); the A gradients and dx's LoRA term in one GEMM each."""
+    dyb = torch.cat([(dy @ b).mul_(scale) for dy, b, scale in zip(dys, b_list, scales)], dim=1)
+    grad_a_all = dyb.t() @ x2
+    grads, start = [], 0
+    for dy, b, scale in zip(dys, b_list, scales):
+        rank = b.shape[1]
+        grads.append((grad_a_all[start : start + rank], dy.t() @ (xa[:, start : start + rank] * scale)))
+        start += rank
+    grad_x = None
+    if need_dx:
+        for dy, base in zip(dys, bases):
+            w = base.materialize(dy.dtype)
+            grad_x = dy @ w if grad_x is None else grad_x.addmm_(dy, w)
+        grad_x.addmm_(dyb, a_all)
+    return grad_x, grads
+
+
+class LoraGroupFunction(torch.autograd.Function):
+    """Q, K and V (or any projections of one input) with LoRA as one autograd node: one A GEMM for all of
+    them forward and backward, one node instead of three on the host's critical path."""
+
+    @staticmethod
+    def forward(ctx, x, bases, scales, dtype, *weights):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(dtype)
+        lo = [cast(w, dtype) for w in weights]
+        a_list, b_list = lo[0::2], lo[1::2]
+        outs, xa, a_all = _group_forward(x2, bases, a_list, b_list, scales)
+        ctx.save_for_backward(x2, xa, a_all, *b_list)
+        ctx.bases, ctx.scales, ctx.shape, ctx.x_dtype = bases, scales, shape, x.dtype
+        ctx.param_dtypes = tuple(w.dtype for w in weights)
+        return tuple(y.view(*shape[:-1], y.shape[-1]) for y in outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        x2, xa, a_all, *b_list = ctx.saved_tensors
+        dys = [
+            torch.zeros(x2.shape[0], b.shape[0], dtype=x2.dtype, device=x2.device)
+            if g is None
+            else g.reshape(-1, g.shape[-1]).to(x2.dtype)
+            for g, b in zip(grad_outs, b_list)
+        ]
+        need_dx = ctx.needs_input_grad[0]
+        grad_x, grads = _group_backward(dys, x2, xa, a_all, ctx.bases, b_list, ctx.scales, need_dx)
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.shape).to(ctx.x_dtype)
+        flat = [g for pair in grads for g in pair]
+        return (grad_x, None, None, None, *(g.to(dt) for g, dt in zip(flat, ctx.param_dtypes)))
+
+
+def lora_group(x: torch.Tensor, *parts) -> tuple[torch.Tensor, ...]:
+    """``parts``: (A weight, B weight, BaseWeight, scale) of each projection of ``x``; one output each."""
+    weights = [w for part in parts for w in part[:2]]
+    bases = tuple(part[2] for part in parts)
+    scales = tuple(part[3] for part in parts)
+    return LoraGroupFunction.apply(x, bases, scales, compute_dtype(x), *weights)
+
+
 # ------------------------------------------------------------------ SwiGLU MLP
 
 
@@ -165,7 +241,9 @@ def _swiglu_backward(e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor):
 
 
 class LoraMLPFunction(torch.autograd.Function):
-    """down(silu(gate(x)) * up(x)) with LoRA on all three projections; saves x, gate(x), up(x) only."""
+    """down(silu(gate(x)) * up(x)) with LoRA on all three projections; saves x, gate(x), up(x) only.
+
+    gate and up share their input, so they run as one group (one A GEMM each way)."""
 
     @staticmethod
     def forward(ctx, x, ga, gb, ua, ub, da, db, bases, scales, dtype):
@@ -173,30 +251,29 @@ class LoraMLPFunction(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1]).to(dtype)
         gate_base, up_base, down_base = bases
         lo = [cast(w, dtype) for w in (ga, gb, ua, ub, da, db)]
-        e, xa_g = _forward(x2, gate_base, lo[0], lo[1], scales[0])
-        g, xa_u = _forward(x2, up_base, lo[2], lo[3], scales[1])
+        (e, g), xa_gu, a_gu = _group_forward(x2, bases[:2], lo[0:3:2], lo[1:4:2], scales[:2])
         h = _swiglu(e, g)
         out, ha_d = _forward(h, down_base, lo[4], lo[5], scales[2])
         del h
-        ctx.save_for_backward(x2, e, g, xa_g, xa_u, ha_d, *lo)
+        ctx.save_for_backward(x2, e, g, xa_gu, a_gu, ha_d, lo[1], lo[3], lo[4], lo[5])
         ctx.bases, ctx.scales, ctx.shape, ctx.x_dtype = bases, scales, shape, x.dtype
         ctx.param_dtypes = tuple(w.dtype for w in (ga, gb, ua, ub, da, db))
         return out.view(*shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x2, e, g, xa_g, xa_u, ha_d, ga, gb, ua, ub, da, db = ctx.saved_tensors
-        gate_base, up_base, down_base = ctx.bases
-        s_g, s_u, s_d = ctx.scales
+        x2, e, g, xa_gu, a_gu, ha_d, gb, ub, da, db = ctx.saved_tensors
+        down_base = ctx.bases[2]
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
         h = _swiglu(e, g)  # recomputed: one (tokens x intermediate) tensor not kept between passes
-        dh, grad_da, grad_db = _backward(dy, h, ha_d, down_base, da, db, s_d, True)
+        dh, grad_da, grad_db = _backward(dy, h, ha_d, down_base, da, db, ctx.scales[2], True)
         del h
         de, dg = _swiglu_backward(e, g, dh)
         del dh
         need_dx = ctx.needs_input_grad[0]
-        dx, grad_ga, grad_gb = _backward(de, x2, xa_g, gate_base, ga, gb, s_g, need_dx)
-        dx, grad_ua, grad_ub = _backward(dg, x2, xa_u, up_base, ua, ub, s_u, need_dx, into=dx)
+        dx, ((grad_ga, grad_gb), (grad_ua, grad_ub)) = _group_backward(
+            [de, dg], x2, xa_gu, a_gu, ctx.bases[:2], [gb, ub], ctx.scales[:2], need_dx
+        )
         if dx is not None:
             dx = dx.view(ctx.shape).to(ctx.x_dtype)
         grads = (grad_ga, grad_gb, grad_ua, grad_ub, grad_da, grad_db)

@@ -13,9 +13,11 @@ import types
 
 from torch import nn
 
-from trainer.fastpath.lora_ops import BaseWeight, lora_linear, lora_mlp
+from trainer.fastpath.lora_ops import BaseWeight, lora_group, lora_linear, lora_mlp
 
 PARTS = "_kit_lora_parts"
+STASH = "_kit_group_output"  # on K and V: (the input, their output) left there by Q's grouped call
+QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def _base_linear(module) -> nn.Module | None:
@@ -88,6 +90,48 @@ def patch_lora_linears(model: nn.Module) -> tuple[int, int]:
     return patched, skipped
 
 
+def _grouped_leader_forward(self, x, *args, **kwargs):
+    """Q's forward: computes K and V too, in one node, and leaves their outputs on those modules for the
+    calls that follow with the same input (attention code calls q, k, v on one hidden-states tensor)."""
+    members = self.__dict__["_kit_group_members"]
+    parts = None if args or kwargs else [cached_parts(m) for m in (self, *members)]
+    if parts is None or any(p is None for p in parts):
+        return _fast_linear_forward(self, x, *args, **kwargs)
+    outputs = lora_group(x, *parts)
+    for member, out in zip(members, outputs[1:]):
+        member.__dict__[STASH] = (x, out)
+    return outputs[0]
+
+
+def _grouped_member_forward(self, x, *args, **kwargs):
+    """K's or V's forward: the output Q's call computed for this very input, else its own single node."""
+    stash = self.__dict__.pop(STASH, None)
+    if stash is not None and stash[0] is x and not args and not kwargs:
+        return stash[1]
+    return _fast_linear_forward(self, x, *args, **kwargs)
+
+
+def patch_qkv_groups(model: nn.Module) -> int:
+    """Q/K/V of each attention block whose three projections are eligible LoRA modules, as one group.
+
+    Relies only on the attention code calling q, then k and v, on the same tensor; any other order or input
+    falls back to each projection's own node, so a model that does otherwise is slower, never wrong."""
+    count = 0
+    for module in model.modules():
+        if not all(hasattr(module, n) for n in QKV):
+            continue
+        projections = [getattr(module, n) for n in QKV]
+        if any(not hasattr(p, "lora_A") or lora_parts(p) is None for p in projections):
+            continue
+        leader, *members = projections
+        leader.__dict__["_kit_group_members"] = members
+        leader.forward = types.MethodType(_grouped_leader_forward, leader)
+        for member in members:
+            member.forward = types.MethodType(_grouped_member_forward, member)
+        count += 1
+    return count
+
+
 def _is_silu(act) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ in {"SiLUActivation", "SiLU"}
 
@@ -119,9 +163,12 @@ def unpatch(model: nn.Module) -> None:
         if "forward" in module.__dict__ and getattr(module.__dict__["forward"], "__func__", None) in (
             _fast_linear_forward,
             _fast_mlp_forward,
+            _grouped_leader_forward,
+            _grouped_member_forward,
         ):
             del module.forward
-        module.__dict__.pop(PARTS, None)
+        for key in (PARTS, STASH, "_kit_group_members"):
+            module.__dict__.pop(key, None)
 
 
 def lora_module_count(model: nn.Module) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from trainer import fastpath
+from trainer.fastpath import attention as fast_attention
 from trainer.config import Config
 from trainer.families import Family, ModelLoadError, family_for
 from trainer.model.moe_quant import QuantizedExpertWeights, quantize_fused_experts
@@ -346,7 +347,8 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
     fast_report = fastpath.apply(model, fast)
     report["fast_path"] = fast_report.as_dict()
     if fast_report.enabled:
-        print(f"fast path: {fast_report.as_dict()}", flush=True)
+        report.update(fast_attention.apply(model, device, cfg.data.packing, cfg.model.attn_implementation))
+        print(f"fast path: {fast_report.as_dict()}, attention {report['attention']}", flush=True)
     fused = fast_report.fused_loss
     report["chunked_loss"] = chunked_loss.enable(model, cfg.memory.chunked_loss and not fused)
     report["kernel_path"] = kernel_path
