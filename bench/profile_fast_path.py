@@ -319,9 +319,9 @@ def main():
 
         fastpath.apply = functools.partial(fastpath.apply, rms_norm=args.norm)
     if args.no_group:
-        from trainer.fastpath import patch
+        import trainer.fastpath
 
-        patch.patch_qkv_groups = lambda model: 0
+        trainer.fastpath.patch_qkv_groups = lambda model: 0
     if args.save_model:  # random-init once, in bf16: every later process loads it in seconds
         from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -234,3 +234,20 @@ def test_block_density_counts_blocks_shared_by_a_document():
     assert attention.block_density(straddling, block=128) == pytest.approx(8 / 16)
     assert attention.block_density(torch.arange(200)[None], block=128) == pytest.approx(3 / 4)
     assert attention.document_ids(torch.tensor([[3, 4, 0, 1, 0, 0]])).tolist() == [[0, 0, 1, 1, 2, 3]]
+
+
+def test_packed_kernel_is_switched_per_batch(monkeypatch):
+    """A run that packs keeps sdpa's causal kernel for batches without document boundaries and takes
+    FlexAttention only for those with them (measured: FlexAttention on plain causal rows is slower)."""
+    model = build("llama", "sdpa")
+    monkeypatch.setattr(attention, "flex_unavailable_reason", lambda device: None)  # as on a GPU
+    report = attention.apply(model, torch.device("cuda"), packing=True)
+    assert report["attention"] == "flex_attention for packed batches, sdpa otherwise"
+    assert attention.current(model) == attention.SDPA
+    attention.for_batch(model, packed=True)
+    assert attention.current(model) == attention.FLEX
+    attention.for_batch(model, packed=False)
+    assert attention.current(model) == attention.SDPA
+    plain = build("llama", "sdpa")
+    attention.for_batch(plain, packed=True)  # a model apply() left alone is never switched
+    assert attention.current(plain) == attention.SDPA

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from trainer import fastpath
-from trainer.fastpath import attention as fast_attention
 from trainer.config import Config
 from trainer.families import Family, ModelLoadError, family_for
+from trainer.fastpath import attention as fast_attention
 from trainer.model.moe_quant import QuantizedExpertWeights, quantize_fused_experts
 from trainer.training import chunked_loss
 
