@@ -342,7 +342,8 @@ def last_line(text: str) -> str:
 def run_variant(args, variant: str, timeout: float) -> dict:
     """One variant in a fresh process (its own CUDA context, compile caches and peak memory)."""
     started = time.time()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
     try:
         done = subprocess.run(
             child_command(args, variant), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
