@@ -192,7 +192,7 @@ def render_script(sweep: Sweep, opts: SlurmOptions, todo: list[tuple[int, Job]])
     body += [
         '  *) echo "sweep: no job for array index ${SLURM_ARRAY_TASK_ID:-unset}" >&2; exit 2 ;;',
         "esac",
-        f'exec {shlex.quote(str(KIT_ROOT / "scripts" / "slurm_task.sh"))} "$job_dir" -- "${{command[@]}}"',
+        f'exec bash {shlex.quote(str(KIT_ROOT / "scripts" / "slurm_task.sh"))} "$job_dir" -- "${{command[@]}}"',
     ]
     return "\n".join(head + [""] + body) + "\n"
 
