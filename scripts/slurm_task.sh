@@ -59,7 +59,8 @@ run_status() {
 }
 if [ "$near_limit" = 1 ] && [ "$(run_status)" != "finished" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
   say "exit $code; requeueing job ${SLURM_JOB_ID} to resume from its checkpoint"
-  scontrol requeue "$SLURM_JOB_ID" || say "scontrol requeue failed: resubmit the sweep to resume"
+  scontrol requeue "$SLURM_JOB_ID" || say "scontrol requeue failed: submit the sweep again to resume"
+else
+  say "exit $code"
 fi
-say "exit $code"
 exit "$code"

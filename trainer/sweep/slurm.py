@@ -14,7 +14,6 @@ library only: SLURM's commands are called as programs.
 from __future__ import annotations
 
 import datetime as dt
-import os
 import re
 import shlex
 import shutil
@@ -274,6 +273,9 @@ def _job_entry(job: Job, state: str, slurm: dict | None, message: str = "") -> d
 
 
 def sweep_summary(sweep: Sweep, jobs: list[dict], submissions: list[dict], final_status: str) -> dict:
+    """sweep.json for a SLURM sweep; jobs of earlier submissions that ``--only`` left out keep their entry."""
+    names = {j["name"] for j in jobs}
+    jobs = jobs + [j for name, j in _previous(sweep.root).items() if name not in names]
     return {
         "sweep": sweep.name,
         "sweep_file": str(sweep.file),
@@ -329,9 +331,7 @@ def submit(sweep: Sweep, opts: SlurmOptions, dry_run: bool = False, out: TextIO 
         raise SweepError("sbatch: not found; run this on a SLURM login node (or add it to PATH)")
     folder = sweep.root / SLURM_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = folder / f"submit-{stamp}-{os.getpid()}.sbatch"
-    path.write_text(script)
+    path = _new_script(folder, script)
     result = _run(["sbatch", "--parsable", str(path)])
     if result.returncode != 0:
         print(
@@ -365,6 +365,20 @@ def submit(sweep: Sweep, opts: SlurmOptions, dry_run: bool = False, out: TextIO 
         file=out,
     )
     return 0
+
+
+def _new_script(folder: Path, script: str) -> Path:
+    """``submit-<time>.sbatch``, never over an earlier one: each submission's script stays on record."""
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        path = folder / f"submit-{stamp}{f'-{n}' if n else ''}.sbatch"
+        try:
+            with open(path, "x") as handle:
+                handle.write(script)
+            return path
+        except FileExistsError:
+            continue
+    raise SweepError(f"{folder}: could not find a free name for the batch script")
 
 
 def refresh(sweep: Sweep) -> dict:
