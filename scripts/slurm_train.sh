@@ -8,8 +8,9 @@
 #
 # From SLURM: machines = SLURM_JOB_NUM_NODES, this machine's rank = SLURM_NODEID, the main process = the
 # first host of SLURM_JOB_NODELIST (scontrol show hostnames), GPUs per node = SLURM_GPUS_ON_NODE (else
-# what nvidia-smi lists, else 1). Port: MAIN_PROCESS_PORT, else 20000 + job id % 20000 (two jobs sharing
-# a node do not collide). GPUS_PER_NODE and MAIN_PROCESS_PORT override; ACCELERATE_ARGS is appended.
+# what nvidia-smi lists, else 1). Port: 20000 + job id % 20000 (two jobs sharing a node do not collide).
+# GPUS_PER_NODE, MAIN_PROCESS_IP (e.g. the first node's fast-network address) and MAIN_PROCESS_PORT
+# override; ACCELERATE_ARGS is appended.
 # The run folder must be on a filesystem every node sees; every node resumes from its latest checkpoint.
 # Exit codes: launch_training.sh's; 2 when not inside a SLURM job step or not one task per node.
 set -uo pipefail
@@ -26,7 +27,7 @@ nodes="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
 if [ -n "${SLURM_NTASKS:-}" ] && [ "$SLURM_NTASKS" != "$nodes" ]; then
   fail "expected one task per node, got $SLURM_NTASKS tasks on $nodes nodes (srun --ntasks-per-node=1)"
 fi
-main_host="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+main_host="${MAIN_PROCESS_IP:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}"
 [ -n "$main_host" ] || fail "scontrol show hostnames '$SLURM_JOB_NODELIST' named no host"
 port="${MAIN_PROCESS_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}"
 gpus="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-}}"

@@ -1,6 +1,7 @@
-"""A real one-node SLURM cluster for tests: munged, slurmctld and slurmd from Debian's slurm-wlm,
-each in the foreground as a child of the test, with every file (config, key, sockets, state, logs)
-in one temporary folder and ports picked free, so it touches nothing of the machine's own.
+"""A real SLURM cluster for tests: munged, slurmctld and two slurmd (nodes n1 and n2, both on this
+host, each with half its CPUs) from Debian's slurm-wlm, each in the foreground as a child of the test,
+with every file (config, key, sockets, state, logs) in one temporary folder and ports picked free, so
+it touches nothing of the machine's own. Two nodes make `srun -N2` a real two-machine rendezvous.
 
 Needs root (slurmd starts job steps as the submitting user) and the packages slurm-wlm and munge:
 run_tests.sh installs them (apt-get) on a CI machine where it is root.
@@ -31,9 +32,11 @@ def _free_port() -> int:
 class Cluster:
     """``with Cluster(tmp) as c: c.run("sbatch", ...)``; ``c.env`` is the environment clients need."""
 
-    def __init__(self, folder: Path, cpus: int | None = None):
+    NODES = ("n1", "n2")
+
+    def __init__(self, folder: Path):
         self.dir = Path(folder)
-        self.cpus = cpus or os.cpu_count() or 1
+        self.cpus = max(1, (os.cpu_count() or 1) // len(self.NODES))
         self.host = socket.gethostname().split(".")[0]
         self.conf = self.dir / "slurm.conf"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
@@ -41,7 +44,7 @@ class Cluster:
 
     def write_config(self) -> None:
         d = self.dir
-        for sub in ("state", "spool", "log"):
+        for sub in ("state", "log", *(f"spool/{n}" for n in self.NODES)):
             (d / sub).mkdir(parents=True, exist_ok=True)
         key = d / "munge.key"
         key.write_bytes(os.urandom(128))
@@ -52,16 +55,15 @@ class Cluster:
             "SlurmUser": "root",
             "SlurmdUser": "root",
             "SlurmctldPort": _free_port(),
-            "SlurmdPort": _free_port(),
             "AuthType": "auth/munge",
             "AuthInfo": f"socket={d / 'munge.sock'}",
             "CredType": "cred/munge",
             "StateSaveLocation": d / "state",
-            "SlurmdSpoolDir": d / "spool",
+            "SlurmdSpoolDir": d / "spool" / "%n",
             "SlurmctldPidFile": d / "slurmctld.pid",
-            "SlurmdPidFile": d / "slurmd.pid",
+            "SlurmdPidFile": d / "slurmd-%n.pid",
             "SlurmctldLogFile": d / "log" / "slurmctld.log",
-            "SlurmdLogFile": d / "log" / "slurmd.log",
+            "SlurmdLogFile": d / "log" / "slurmd-%n.log",
             # No cgroups in a container: processes are tracked by parentage, tasks are not bound.
             "ProctrackType": "proctrack/linuxproc",
             "TaskPlugin": "task/none",
@@ -77,12 +79,17 @@ class Cluster:
             "SchedulerParameters": "sched_interval=2",
         }
         text = "".join(f"{k}={v}\n" for k, v in lines.items())
-        text += f"NodeName={self.host} CPUs={self.cpus} State=UNKNOWN\n"
+        for node in self.NODES:  # one host, two slurmd told apart by their ports
+            text += (
+                f"NodeName={node} NodeHostname={self.host} NodeAddr=127.0.0.1 Port={_free_port()} "
+                f"CPUs={self.cpus} State=UNKNOWN\n"
+            )
         text += "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n"
         self.conf.write_text(text)
 
     def _start(self, *command: str) -> None:
-        log = open(self.dir / "log" / f"{Path(command[0]).name}.out", "ab")
+        name = Path(command[0]).name + (f"-{command[3]}" if command[0] == "slurmd" else "")
+        log = open(self.dir / "log" / f"{name}.out", "ab")
         self.procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env))
 
     def start(self) -> Cluster:
@@ -94,9 +101,10 @@ class Cluster:
         self.wait(lambda: (d / "munge.sock").exists(), "munged to create its socket")
         self._start("slurmctld", "-D", "-i", "-f", str(self.conf))
         self.wait(lambda: self.run("sinfo", check=False).returncode == 0, "slurmctld to answer")
-        self._start("slurmd", "-D", "-f", str(self.conf))
+        for node in self.NODES:
+            self._start("slurmd", "-D", "-N", node, "-f", str(self.conf))
         self.wait(
-            lambda: self.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip() == "idle", "an idle node"
+            lambda: self.run("sinfo", "-h", "-o", "%T", check=False).stdout.split() == ["idle"], "idle nodes"
         )
         return self
 

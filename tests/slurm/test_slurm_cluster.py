@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers import TINY, deep_merge, trainer_env, wait_for
+from tests.helpers import REPO, TINY, deep_merge, trainer_env, wait_for
 from tests.slurm.cluster import Cluster, missing_programs
 from trainer import runfolder
 from trainer.runfolder import iter_records, last_per_step
@@ -146,3 +146,66 @@ def test_sweep_on_slurm_survives_preemption_and_time_limit(cluster, tmp_path):
 def _log(run: Path) -> str:
     path = run / "job.log"
     return path.read_text() if path.exists() else f"(no {path})"
+
+
+def test_two_node_training_under_srun_takes_its_rendezvous_from_slurm_and_survives_a_requeue(
+    cluster, tmp_path
+):
+    """slurm_train.sh on both nodes: rank, machines and main host from SLURM; one gloo world of two ranks
+    (ACCELERATE_USE_CPU: accelerate's multi-process launch on CPUs); requeued mid-run, it resumes."""
+    script = REPO / "scripts" / "slurm_train.sh"
+    mapping = cluster.run(
+        "srun", "-N2", "--ntasks-per-node=1", "bash", str(script), "--print", "--config", "c.yaml"
+    )
+    lines = sorted(line for line in mapping.stdout.splitlines() if line.startswith("node "))
+    port = lines[0].rsplit(" ", 1)[1]
+    assert lines == [
+        f"node n{n + 1}: NUM_PROCESSES=2 ACCELERATE_ARGS=--num_machines 2 --machine_rank {n} --main_process_ip n1 "
+        f"--main_process_port {port}"
+        for n in (0, 1)
+    ], mapping.stdout
+
+    run = tmp_path / "run"
+    config = deep_merge(TINY, {"paths": {"output_dir": str(run)}, "training": {"max_steps": 30},
+                               "logging": {"telemetry_interval": 5.0}})  # fmt: skip
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "job.sh").write_text(
+        "#!/usr/bin/env bash\n"
+        "#SBATCH --nodes=2 --ntasks-per-node=1 --requeue --open-mode=append\n"
+        f"#SBATCH --output={tmp_path / 'job.out'}\n"
+        f"srun bash {script} --config {tmp_path / 'c.yaml'}\n"
+    )
+    # The node names here do not resolve (both are this host): the main process is reached at 127.0.0.1.
+    env = {**trainer_env(), "SLURM_CONF": cluster.env["SLURM_CONF"], "VENV_DIR": sys.prefix, "OMP_NUM_THREADS": "1",
+           "ACCELERATE_USE_CPU": "1", "MAIN_PROCESS_IP": "127.0.0.1", "MAIN_PROCESS_PORT": str(free_port())}  # fmt: skip
+    job = subprocess.run(
+        ["sbatch", "--parsable", str(tmp_path / "job.sh")], env=env, capture_output=True, text=True
+    )
+    assert job.returncode == 0, job.stderr
+    job_id = job.stdout.strip()
+    assert wait_for(lambda: steps_done(run) >= 4 or not queue(cluster, job_id), timeout=240), _out(tmp_path)
+    cluster.run("scontrol", "requeue", job_id)
+    requeued_now(cluster, job_id, job_id)
+    assert wait_for(lambda: not queue(cluster, job_id), timeout=240, interval=1), _out(tmp_path)
+
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and info["world_size"] == 2, _out(tmp_path)
+    starts = events(run, "run_start")
+    assert [(s["world_size"], s["slurm"]["restart_count"]) for s in starts] == [(2, 0), (2, 1)]
+    assert [e["signal"] for e in events(run, "signal")] == ["SIGTERM"]  # both ranks stopped at one step
+    assert [e["step"] for e in events(run, "resume")] == [events(run, "signal")[0]["step"]]
+    records = list(iter_records(run / "logs" / runfolder.TRAINING_LOG))
+    assert sorted({r["step"] for r in records}) == list(range(1, 31))  # rank 0 alone writes the log
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _out(tmp_path: Path) -> str:
+    path = tmp_path / "job.out"
+    return path.read_text()[-4000:] if path.exists() else "(no job.out)"
