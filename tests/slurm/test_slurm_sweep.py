@@ -323,3 +323,39 @@ def test_slurm_train_maps_the_slurm_environment_to_accelerate(tmp_path, fake_slu
     assert "expected one task per node, got 8 tasks on 2 nodes (srun --ntasks-per-node=1)" in two_tasks.stderr
     outside = slurm_train({}, fake_slurm, "--print")
     assert outside.returncode == 2 and "not inside a SLURM job: run it with srun" in outside.stderr
+
+
+def test_runs_overview_shows_each_runs_slurm_job_and_state(sweep_file, tmp_path, fake_slurm):
+    from dashboard import create_app
+
+    assert main(["sweep", str(sweep_file), "--backend", "slurm"]) == 0
+    job_dir = tmp_path / "runs" / "tiny_r4_seed2"
+    (job_dir / "logs").mkdir(parents=True)
+    ran = slurm_job({"SLURM_JOB_ID": "4246", "SLURM_ARRAY_JOB_ID": "4242", "SLURM_ARRAY_TASK_ID": "1",
+                     "SLURM_RESTART_COUNT": "1", "SLURM_JOB_NODELIST": "gpu07"})  # fmt: skip
+    (job_dir / "run.json").write_text(json.dumps({"status": "running", "slurm": ran}))
+    (fake_slurm / "squeue.out").write_text("4242|1|RUNNING|None\n")
+    assert main(["sweep", "status", str(sweep_file)]) == 0
+    client = create_app(tmp_path / "runs", test_config={"TESTING": True}).test_client()
+    rows = {r["name"]: r for r in client.get("/api/overview").get_json()["runs"]}
+    row = rows["tiny_r4_seed2"]
+    assert row["sweep"] == "grid"
+    assert {k: row["slurm"][k] for k in ("id", "state", "attempt", "nodes")} == {
+        "id": "4242_1", "state": "RUNNING", "attempt": 2, "nodes": "gpu07"
+    }  # fmt: skip
+
+
+def test_status_of_a_local_sweep_and_of_one_never_started(sweep_file, tmp_path, capsys):
+    assert main(["sweep", "status", str(sweep_file)]) == 2
+    assert f"{tmp_path / 'runs' / 'sweep.json'}: not found; start the sweep first" in capsys.readouterr().err
+    job_dir = tmp_path / "runs" / "tiny_r4_seed1"
+    (job_dir / "logs").mkdir(parents=True)
+    (job_dir / "logs" / "training_log.jsonl").write_text('{"ts": 1, "step": 3, "total_steps": 12}\n')
+    local = {"sweep": "grid", "status": "running", "counts": {"running": 1},
+             "jobs": [{"name": "tiny_r4_seed1", "state": "running", "output_dir": str(job_dir)}]}  # fmt: skip
+    (tmp_path / "runs" / "sweep.json").write_text(json.dumps(local))
+    assert main(["sweep", "status", str(sweep_file)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "sweep grid (running): 1 jobs: 1 running"
+    assert out[2].split() == ["tiny_r4_seed1", "running", "-", "-", "[##--------]", "3/12"]
+    assert main(["sweep", "stats", str(sweep_file)]) == 2
