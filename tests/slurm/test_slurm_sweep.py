@@ -359,3 +359,20 @@ def test_status_of_a_local_sweep_and_of_one_never_started(sweep_file, tmp_path, 
     assert out[0] == "sweep grid (running): 1 jobs: 1 running"
     assert out[2].split() == ["tiny_r4_seed1", "running", "-", "-", "[##--------]", "3/12"]
     assert main(["sweep", "stats", str(sweep_file)]) == 2
+
+
+def test_launchers_starting_together_install_into_a_shared_venv_once(tmp_path):
+    """A job array's tasks share one .venv: the first installs what is missing, the others wait for it."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
+    (venv / "bin" / "python").write_text(
+        f'#!/bin/sh\necho "$*" >> {tmp_path / "calls"}\ncase "$*" in *"install -q -e"*) sleep 1 ;; esac\n'
+    )
+    (venv / "bin" / "python").chmod(0o755)
+    setup = f". {REPO / 'scripts' / 'setup_venv.sh'}; setup_venv train"
+    env = dict(os.environ, VENV_DIR=str(venv))
+    both = [subprocess.Popen(["bash", "-c", setup], env=env) for _ in range(2)]
+    assert [p.wait(timeout=60) for p in both] == [0, 0]
+    installs = [c for c in (tmp_path / "calls").read_text().splitlines() if "install -q -e" in c]
+    assert installs == [f"-m pip install -q -e {REPO}[train]"]
