@@ -51,7 +51,7 @@ class Cluster:
         key.chmod(0o600)
         lines = {
             "ClusterName": "kittest",
-            "SlurmctldHost": self.host,
+            "SlurmctldHost": f"{self.host}(127.0.0.1)",  # no name lookup needed
             "SlurmUser": "root",
             "SlurmdUser": "root",
             "SlurmctldPort": _free_port(),
