@@ -1,7 +1,10 @@
-"""A sweep on a real SLURM cluster (one node, started by the test): submitted as a job array, one job
-preempted with `scontrol requeue`, one warned of its time limit (SIGUSR1 to the batch shell, what
-`--signal=B:USR1@grace` sends), both requeued; every job finishes exactly once, and the interrupted
-jobs' per-step losses equal those of the job that ran uninterrupted.
+"""Sweeps and multi-node runs on a real SLURM cluster (two nodes on this host, started by the test).
+
+A sweep submitted as a job array: one job is preempted with `scontrol requeue`, then, on its second
+attempt, warned of its time limit (SIGUSR1 to the batch shell, what `--signal=B:USR1@grace` sends);
+every job finishes exactly once, and the interrupted job's per-step losses equal those of the job that
+ran uninterrupted. A two-node `srun scripts/slurm_train.sh` run: the rendezvous from SLURM's
+environment, one world of two ranks, requeued mid-run and resumed.
 
 Needs root and Debian's slurm-wlm + munge (run_tests.sh installs them); tests/slurm/cluster.py.
 """
