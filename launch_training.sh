@@ -98,18 +98,26 @@ for arg in "${original_args[@]}"; do
   case "$arg" in --resume_from|--resume-from) skip_next=1 ;; --resume) ;; *) resume_command+=("$arg") ;; esac
 done
 
+# SIGTERM/SIGINT to the process group (Ctrl-C, a sweep, SLURM's scancel, preemption or requeue) reach
+# the trainer too, which saves a checkpoint and exits 143/130: this script and the subshell below wait
+# for it (the traps only note the signal) rather than die first, so whoever waits for this script (a
+# SLURM batch step) never returns while the checkpoint is being written.
+stopped_by=""
+trap 'stopped_by=TERM' TERM
+trap 'stopped_by=INT' INT
 attempt=0
 while true; do
   started=$(date +%s)
   # In a subshell whose own stderr is /dev/null: bash prints its "Killed" line for a child killed by a
   # signal there, while the trainer keeps the real stderr (fd 3); exit_report says more than "Killed".
-  (exec 3>&2 2>/dev/null; run_once "${trainer_args[@]}")
+  (exec 3>&2 2>/dev/null; trap : TERM INT; run_once "${trainer_args[@]}")
   code=$?
   # 0 done, 2 bad input, 3 refused: the trainer has said why; nothing to add or retry.
   case "$code" in 0|2|3) exit "$code" ;; esac
   python -m trainer.reports.exit_report --code "$code" --since "$started" "${config_args[@]}" -- "${resume_command[@]}" >&2
-  # 130/143: stopped on purpose by a signal (after saving); never retried.
+  # 130/143: stopped on purpose by a signal (after saving); never retried, nor is any exit after one.
   case "$code" in 130|143) exit "$code" ;; esac
+  if [ -n "$stopped_by" ]; then exit "$code"; fi
   if [ "$attempt" -ge "$max_restarts" ]; then exit "$code"; fi
   attempt=$((attempt + 1))
   echo "launch_training.sh: restart $attempt/$max_restarts, resuming from the latest checkpoint" >&2

@@ -41,10 +41,10 @@ COLUMNS = (
 )
 
 
-def sweep_index(root: Path) -> tuple[dict[str, str], list[dict]]:
-    """(run folder's real path -> sweep name, one summary per sweep) from sweep.json files."""
+def sweep_index(root: Path) -> tuple[dict[str, dict], list[dict]]:
+    """(run folder's real path -> its sweep.json job entry with ``sweep``, one summary per sweep)."""
     sweeps = find_sweeps(root, confine=True)
-    membership = {path: job["sweep"] for path, job in sweep_jobs(sweeps).items()}
+    membership = sweep_jobs(sweeps)
     rows = []
     for path, summary in sweeps:
         counts = summary.get("counts") if isinstance(summary.get("counts"), dict) else {}
@@ -107,7 +107,12 @@ def overview(
     for name, path in registry.runs().items():
         summary = data.run_summary(name, path, root, policy, now)
         summary["best"] = best_of(path, root)
-        summary["sweep"] = membership.get(os.path.realpath(path))
+        job = membership.get(os.path.realpath(path))
+        summary["sweep"] = job["sweep"] if job else None
+        # SLURM job id, queue state (as `sweep status` last saw it) and attempt; None outside SLURM
+        summary["slurm"] = runfolder.slurm_row(
+            runfolder.read_json_object(path / runfolder.RUN_JSON, root), job
+        )
         rows.append(summary)
     return {
         "root": str(root),

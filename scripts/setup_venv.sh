@@ -39,6 +39,16 @@ setup_venv() {
   if [ -f "$stamp" ]; then
     return 0
   fi
+  # Launchers started together on one shared .venv (a SLURM job array, the nodes of a multi-node run)
+  # install one at a time: the first installs, the others wait for its lock and find the stamp.
+  {
+    if command -v flock >/dev/null 2>&1; then flock 9; fi
+    [ -f "$stamp" ] || install_extras "$extras" "$root" "$stamp"
+  } 9>>"$venv/.setup.lock"
+}
+
+install_extras() {
+  local extras="$1" root="$2" stamp="$3"
   python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   if ! python -c "import torch" >/dev/null 2>&1 && [[ "$extras" == *train* ]]; then
     echo "[setup] installing ${TORCH_SPEC:-torch==2.13.0}" >&2

@@ -75,6 +75,7 @@ from trainer.runfolder.records import (
     clean_value,
     encode_record,
 )
+from trainer.runfolder.slurm import slurm_job, slurm_row
 from trainer.runfolder.writer import RunLog, write_json_atomic
 
 __all__ = [
@@ -130,6 +131,8 @@ __all__ = [
     "read_log",
     "read_run_json",
     "run_metrics",
+    "slurm_job",
+    "slurm_row",
     "sweep_jobs",
     "tail_records",
     "write_json_atomic",

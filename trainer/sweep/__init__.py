@@ -4,6 +4,8 @@
 - ``locks``: one lock file per job (PID, host, start time), stale ones taken over.
 - ``status``: what a job folder says (finished? progress?), ``sweep.json`` and the terminal table.
 - ``runner``: starts jobs as GPU slots free, retries failures, stops cleanly on a signal.
+- ``slurm_script`` and ``slurm``: the sweep as one SLURM job array (``--backend slurm``): the batch
+  script; submission, the queue's view (squeue/sacct) and ``sweep status``.
 
 Standard library plus yaml; the jobs themselves import torch, the sweep never does.
 """

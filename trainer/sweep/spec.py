@@ -40,7 +40,10 @@ TOP_LEVEL_KEYS = (
     "gpus",
     "gpu_plan",
     "command",
+    "backend",
+    "slurm",
 )
+BACKENDS = ("local", "slurm")
 SEED_KEY = "training.seed"
 MAX_NAME = 120
 
@@ -90,6 +93,7 @@ class Job:
     params: dict[str, Any]  # the grid values that make this job differ
     overrides: dict[str, Any]  # every `--set` it gets, in the order they apply
     output_dir: Path
+    index: int = 0  # place in the whole sweep (before --only): a SLURM array task's index
 
     @property
     def log_path(self) -> Path:
@@ -107,6 +111,8 @@ class Sweep:
     gpus: list[str] | None = None
     gpu_plan: list[int] | None = None
     cwd: Path = field(default_factory=Path.cwd)
+    backend: str = "local"  # local: GPU slots on this machine; slurm: one SLURM job array
+    slurm: dict | None = None  # the file's slurm: section, read by trainer.sweep.slurm
 
 
 # ---------------------------------------------------------------- values and keys
@@ -426,6 +432,7 @@ def load_sweep(
                     params={k: v for k, v in params.items() if k != SEED_KEY},
                     overrides=overrides,
                     output_dir=root_path / job_name,
+                    index=len(jobs),
                 )
             )
     names = [j.name for j in jobs]
@@ -437,6 +444,9 @@ def load_sweep(
         if not jobs:
             raise SweepError(f"--only {' '.join(only)}: matches none of the {len(names)} jobs")
     gpus = raw.get("gpus")
+    backend = raw.get("backend", "local")
+    if backend not in BACKENDS:
+        raise SweepError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     sweep = Sweep(
         name=name,
         file=path.resolve(),
@@ -446,6 +456,8 @@ def load_sweep(
         command=[str(c) for c in command] if command else None,
         gpus=[str(g) for g in gpus] if isinstance(gpus, list) else (str(gpus).split(",") if gpus else None),
         gpu_plan=plan_list(raw.get("gpu_plan"), "gpu_plan"),
+        backend=backend,
+        slurm=raw.get("slurm"),
     )
     if validate and sweep.command is None:
         validate_jobs(sweep)

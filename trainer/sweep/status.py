@@ -96,7 +96,8 @@ def _elapsed(job: dict, now: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def _progress_text(job: dict) -> str:
+def progress_text(job: dict) -> str:
+    """A job's progress bar and step/total, as the tables show it."""
     prog = job.get("progress") or {}
     if job.get("state") == "done":
         return _bar(1.0) + " done"
@@ -134,7 +135,7 @@ def render_table(snapshot: dict, now: float, max_rows: int = 40) -> str:
         note = job.get("held_by") if job["state"] == "held" else ""
         lines.append(
             f"{job['name']:<{width}}  {job['state']:<11} {gpu:<4} {job.get('attempts', 0):<3}  "
-            f"{_progress_text(job):<22} {_elapsed(job, now)} {note or ''}".rstrip()
+            f"{progress_text(job):<22} {_elapsed(job, now)} {note or ''}".rstrip()
         )
     if len(jobs) > max_rows:
         hidden = jobs[max_rows:]

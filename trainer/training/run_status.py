@@ -61,6 +61,7 @@ def start_run(
         if written.name != runfolder.CONFIG_YAML:
             log.event("config_changed", step=step, file=written.name)
     run_info = runfolder.read_run_json(output_dir)
+    slurm = runfolder.slurm_job(os.environ)  # this attempt's SLURM job (None outside SLURM)
     log.update_run(
         run_id=run_info.get("run_id") or f"{output_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}",
         started_at=run_info.get("started_at") or round(time.time(), 3),
@@ -79,10 +80,12 @@ def start_run(
         output_dir=str(output_dir),
         config_source=config_source,
         resumes=run_info.get("resumes", 0) + (1 if resume_from else 0),
+        slurm=slurm,
     )
     log.event(
-        "run_start", step=step, resumed=resume_from is not None, world_size=world, total_steps=total_steps
-    )
+        "run_start", step=step, resumed=resume_from is not None, world_size=world, total_steps=total_steps,
+        **({"slurm": slurm} if slurm else {}),
+    )  # fmt: skip
     if resume_from is not None:
         log.event("resume", step=step, from_checkpoint=str(resume_from.path))
     log.event("data_report", step=step, **data.report.as_event())
