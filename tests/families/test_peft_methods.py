@@ -327,3 +327,16 @@ def test_resume_after_sigkill_is_exact_and_never_redoes_the_first_stage(tmp_path
         out = tmp_path / "adapter-only"
         assert cli("export", str(final), "--out", str(out)) == 2
         assert "is SDLoRA" in capsys.readouterr().err
+
+
+def test_sdlora_bc_keeps_x_proj_out_of_4bit(tmp_path):
+    """QLoRA: Mamba-1's x_proj holds trained entries under BC, so bitsandbytes must leave it 16-bit."""
+    from trainer.families import mamba
+    from trainer.model.loading import load_hf_config
+
+    plain = load_config(family_config(tmp_path, "tiny-mamba", ["in_proj"]))
+    sd = load_config(family_config(tmp_path, "tiny-mamba", ["in_proj"], {"lora": {"method": "sdlora"}}))
+    hf_config = load_hf_config(plain)
+    if mamba.kernel_path(hf_config) != mamba.KERNEL_MAMBA_SSM:
+        assert "x_proj" not in mamba.quantization_skip(hf_config, plain)
+    assert "x_proj" in mamba.quantization_skip(hf_config, sd)
