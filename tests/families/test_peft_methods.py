@@ -340,3 +340,25 @@ def test_sdlora_bc_keeps_x_proj_out_of_4bit(tmp_path):
     if mamba.kernel_path(hf_config) != mamba.KERNEL_MAMBA_SSM:
         assert "x_proj" not in mamba.quantization_skip(hf_config, plain)
     assert "x_proj" in mamba.quantization_skip(hf_config, sd)
+
+
+def test_lora_ga_on_a_4bit_base_keeps_the_offset_as_a_side_term(tmp_path):
+    """QLoRA (bitsandbytes' CPU NF4): the gradient comes through the hooks, the offset cannot go into the
+    4-bit weight, so it is a side term, and the step-0 output is still the base's."""
+    pytest.importorskip("bitsandbytes")
+    extra = {
+        "training": {"method": "qlora"},
+        "lora": {"init": "lora_ga", "dropout": 0.0, "r": 4},
+        "quantization": {"compute_dtype": "fp32"},
+    }
+    cfg = load_config(family_config(tmp_path, "tiny-llama", ["q_proj", "v_proj"], extra))
+    from trainer.model.loading import load_for_training
+
+    peft = load_for_training(cfg, torch.device("cpu")).model
+    batch = random_batch(packing=True, seed=1)
+    base = logits(peft, batch)
+    _, event = lora_ga.initialise(peft, cfg, [batch], loss_fn, CpuAccelerator())
+    assert event["offset"] == {"side_term": 4}
+    assert torch.allclose(logits(peft, batch), base, atol=1e-4, rtol=1e-5)
+    layer = next(iter(lora_ga.lora_layers(peft).values()))
+    assert lora_ga.is_4bit(layer.get_base_layer().weight) and layer.lora_B["default"].weight.abs().sum() > 0
