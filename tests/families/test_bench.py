@@ -56,3 +56,33 @@ def test_bench_ratio_lines_name_the_target():
     ]
     assert bench.ratio_notes(mamba1) == ["Mamba-1 fast (mamba_ssm) / reference: 5.0x tokens/s"]
     assert bench.ratio_notes([fast]) == []  # no reference row, no ratio
+
+
+def load_peft_bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_peft_methods", REPO / "bench" / "bench_peft_methods.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peft_bench_task_is_a_learnable_sst2_and_configs_differ_only_in_the_method(tmp_path):
+    """bench/bench_peft_methods.py: the generated task reads back through the kit's GLUE loader, its label
+    word is the training response, and the three runs share everything but the lora method keys."""
+    from trainer.config import load_config
+    from trainer.tasks.glue import GlueTask
+
+    bench = load_peft_bench()
+    glue, train = bench.write_task(tmp_path, 20, 6, seed=0)
+    task = GlueTask("sst2", glue)
+    examples = task.load("validation")
+    assert len(examples) == 6 and {e["label"] for e in examples} == {0, 1}
+    records = [json.loads(line) for line in train.read_text().splitlines()]
+    assert len(records) == 20 and all(task.parse(r["response"]) in (0, 1) for r in records)
+    args = bench.argparse.Namespace(out=tmp_path, steps=10, batch=4, lr=1e-3, r=4, dev=6, seed=1, smoke=False)
+    model = bench.write_model(tmp_path, smoke=True)
+    configs = {m: load_config(bench.run_config(args, m, model, True, glue, train)) for m in bench.METHODS}
+    assert (configs["sdlora"].lora.method, configs["lora_ga"].lora.init) == ("sdlora", "lora_ga")
+    plain = {m: {**c.to_dict(), "paths": None, "lora": None} for m, c in configs.items()}
+    assert plain["lora"] == plain["sdlora"] == plain["lora_ga"]

@@ -106,6 +106,9 @@ def missing_files(config: Config) -> list[Problem]:
         value = getattr(config.paths, key)
         if value is not None:
             need(Path(value).is_file(), f"paths.{key}", f"file not found: {value}")
+    stage_one = config.lora.sdlora_stage_one_file
+    if stage_one is not None and config.lora.method == "sdlora":
+        need(Path(stage_one).is_file(), "lora.sdlora_stage_one_file", f"file not found: {stage_one}")
     name = config.model.name_or_path
     model_path = Path(name)
     if name.startswith((".", "/", "~")) or model_path.exists():

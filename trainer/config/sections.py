@@ -126,7 +126,7 @@ class OptimizationConfig:
     min_lr_ratio: Float = limit(0.0, ge=0, le=1)
 
 
-LORA_INITS = ("default", "gaussian", "pissa", "olora", "loftq")
+LORA_INITS = ("default", "gaussian", "pissa", "olora", "loftq", "lora_ga")
 
 
 @dataclass(config=SECTION)
@@ -139,13 +139,51 @@ class LoraConfig:
     variant: Literal["lora", "dora", "rslora"] = "lora"
     init: Str = "default"
     bias: Literal["none", "all", "lora_only"] = "none"
+    # lora: adapters only. sdlora (Mamba): adapters plus a selected few SSM channels/states (docs/families.md).
+    method: Literal["lora", "sdlora"] = "lora"
+    # LoRA-GA (init: lora_ga): micro-batches of the training data whose accumulated gradient is factorised,
+    # and the paper's stable-scale gamma.
+    lora_ga_batches: Int = limit(8, gt=0)
+    lora_ga_gamma: Float = limit(16.0, gt=0)
+    # SDLoRA: fractions of SSM channels, and of states per selected channel, that train in stage two;
+    # stage one's optimizer steps and its data (null: the training file); the SSM parameters (null: the
+    # model type's default).
+    sdlora_channels: Float = limit(0.01, gt=0, le=1, what="a fraction")
+    sdlora_states: Float = limit(0.05, gt=0, le=1, what="a fraction")
+    sdlora_stage_one_steps: Int = limit(20, gt=0)
+    sdlora_stage_one_file: Str | None = None
+    sdlora_params: list[Literal["A_log", "BC", "D", "dt", "conv"]] | None = None
 
     @field_validator("init")
     @classmethod
     def _known_init(cls, value: str) -> str:
         if value not in LORA_INITS and not value.startswith("pissa_niter_"):
-            raise rule(f"expected default, gaussian, pissa or pissa_niter_N, got {value!r}")
+            raise rule(
+                f"expected default, gaussian, pissa, pissa_niter_N, olora, loftq or lora_ga, got {value!r}"
+            )
         return value
+
+    @model_validator(mode="after")
+    def _lora_ga_fits(self) -> LoraConfig:
+        if self.init != "lora_ga":
+            return self
+        if self.variant == "dora":
+            raise rule(
+                "lora_ga sets A and B from the gradient, which DoRA's magnitude vector would rescale; "
+                "use lora.variant lora or rslora",
+                "init",
+                "variant",
+            )
+        if self.target_parameters:
+            raise rule(
+                "lora_ga factorises the gradients of Linear weights; lora.target_parameters (fused 3-D "
+                "expert weights) cannot take it",
+                "init",
+                "target_parameters",
+            )
+        if self.method == "sdlora":
+            raise rule("lora_ga does not combine with lora.method sdlora yet; pick one", "init", "method")
+        return self
 
 
 @dataclass(config=SECTION)
@@ -253,6 +291,20 @@ class Config:
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     performance: PerformanceConfig = Field(default_factory=PerformanceConfig)
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
+
+    @model_validator(mode="after")
+    def _lora_methods_need_lora(self) -> Config:
+        lo = self.lora
+        if self.training.method == "full" and (lo.method != "lora" or lo.init == "lora_ga"):
+            key = "method" if lo.method != "lora" else "init"
+            value = lo.method if lo.method != "lora" else lo.init
+            raise rule(
+                f"{value} works on LoRA adapters, which training.method full has none of; "
+                "use training.method lora or qlora",
+                f"lora.{key}",
+                "training.method",
+            )
+        return self
 
     @model_validator(mode="after")
     def _qlora_dtypes_agree(self) -> Config:

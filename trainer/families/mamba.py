@@ -271,7 +271,12 @@ def quantization_skip(hf_config, cfg) -> tuple[str, ...]:
     fused = kernel_path(hf_config) == KERNEL_MAMBA_SSM
     if hf_config.model_type == "mamba":
         # The reference path computes dt_proj.weight @ x itself; mamba_inner_fn also reads x_proj and out_proj.
-        return ("dt_proj", "x_proj", "out_proj") if fused else ("dt_proj",)
+        # SDLoRA's BC trains entries of x_proj's weight, which 4-bit storage cannot hold.
+        lora = getattr(cfg, "lora", None)
+        sdlora_bc = lora is not None and lora.method == "sdlora" and "BC" in (lora.sdlora_params or ("BC",))
+        if fused:
+            return ("dt_proj", "x_proj", "out_proj")
+        return ("dt_proj", "x_proj") if sdlora_bc else ("dt_proj",)
     return ("out_proj",) if fused else ()
 
 

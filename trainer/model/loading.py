@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import fastpath
+from trainer import fastpath, peft_methods
 from trainer.config import Config
 from trainer.families import Family, ModelLoadError, family_for
 from trainer.fastpath import attention as fast_attention
@@ -230,6 +230,7 @@ def check_lora_config(cfg: Config, family: Family, hf_config) -> None:
             "use training.method lora, or lora.init default or gaussian"
         )
     family.check_lora(cfg, hf_config, lora_targets(cfg, family, hf_config))
+    peft_methods.check(cfg, family, hf_config)
 
 
 def apply_peft(model, cfg: Config, family: Family, upcast_for_kbit: bool = True):
@@ -251,7 +252,8 @@ def apply_peft(model, cfg: Config, family: Family, upcast_for_kbit: bool = True)
         raise ModelLoadError(
             f"lora.variant: '{cfg.lora.variant}' is not supported for the {family.name} family"
         )
-    init = cfg.lora.init
+    # LoRA-GA's init needs the data: trainer.peft_methods.prepare sets it once the loop has rows.
+    init = cfg.lora.init if cfg.lora.init != "lora_ga" else "default"
     peft_config = LoraConfig(
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,

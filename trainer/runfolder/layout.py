@@ -24,6 +24,12 @@ CHECKPOINT_PREFIX = "checkpoint-"
 FINAL_PREFIX = "final-checkpoint-"
 BEST_ADAPTER_DIR = "best-adapter"
 TRAINER_STATE = "trainer_state.json"  # inside each checkpoint folder
+# LoRA-GA and SDLoRA (trainer/peft_methods): written once at set-up, reused by every resume and restart
+LORA_GA_INIT = "lora_ga_init.safetensors"
+SDLORA_SELECTION = "sdlora_selection.json"
+# ... and inside each checkpoint folder beside the adapter: the method, and the tensors it needs beyond PEFT's
+PEFT_METHOD_JSON = "peft_method.json"
+PEFT_METHOD_TENSORS = "peft_method.safetensors"
 
 SWEEP_JSON = "sweep.json"  # <sweep root>/sweep.json, written by trainer.sweep
 

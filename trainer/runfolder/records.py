@@ -38,6 +38,8 @@ EVENTS = (
     "model_report",
     "length_report",
     "oom_fallback",
+    "lora_ga_init",
+    "sdlora_selection",
     "signal",
     "run_end",
 )

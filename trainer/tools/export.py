@@ -223,7 +223,10 @@ def save_merged(source: Source, out: Path, cfg, dtype_name: str, max_shard_size:
         load_cfg.training.method = "full"
     base, family, dtype, published = load_base(load_cfg, dtype_name)
     if source.kind == "adapter":
+        from trainer import peft_methods
+
         model = PeftModel.from_pretrained(base, str(source.checkpoint), autocast_adapter_dtype=False)
+        peft_methods.load_into(model, source.checkpoint)  # LoRA-GA's base offset, SDLoRA's SSM tensors
         model = model.merge_and_unload(safe_merge=True)
     else:
         model = base
@@ -245,15 +248,36 @@ def save_merged(source: Source, out: Path, cfg, dtype_name: str, max_shard_size:
 
 
 def save_adapter(source: Source, out: Path, cfg, dtype_name: str, base: str | None) -> dict:
-    """The adapter files, cast if asked, with the tokenizer and the base's generation config."""
+    """The adapter files, cast if asked, with the tokenizer and the base's generation config.
+
+    A LoRA-GA adapter trained against an offset base becomes a plain rank-2r LoRA of the published base
+    (``lora_ga.as_plain_lora``); an SDLoRA one also changed SSM tensors that no PEFT adapter holds, so it
+    is refused here: ``--merge`` folds them in."""
     from safetensors.torch import load_file, save_file
 
+    from trainer.peft_methods import lora_ga, method_tensors, read_method
+
     tensors = load_file(str(source.checkpoint / ADAPTER_WEIGHTS))
+    adapter_config = dict(source.adapter_config)
+    method = read_method(source.checkpoint)
+    if method is not None and method["method"] == "sdlora":
+        raise ExportError(
+            f"CHECKPOINT: {source.checkpoint.name} is SDLoRA: it also trained SSM parameters that a PEFT adapter "
+            "cannot hold; export it with --merge"
+        )
+    if method is not None and method["init"] == "lora_ga":
+        init = {k[len("lora_ga.") :]: v for k, v in method_tensors(source.checkpoint).items()}
+        tensors = lora_ga.as_plain_lora(tensors, init)
+        r = adapter_config["r"]
+        # the same scaling at rank 2r: alpha/r (lora) or alpha/sqrt(r) (rslora)
+        factor = 2**0.5 if adapter_config.get("use_rslora") else 2
+        adapter_config.update(
+            r=2 * r, lora_alpha=adapter_config["lora_alpha"] * factor, init_lora_weights=True
+        )
     if dtype_name != "auto":
         target = torch_dtype(dtype_name)
         tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    adapter_config = dict(source.adapter_config)
     if base is not None:
         adapter_config["base_model_name_or_path"] = base
     (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")

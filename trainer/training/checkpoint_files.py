@@ -148,8 +148,13 @@ def save_checkpoint(
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         if hasattr(unwrapped, "peft_config"):
+            from trainer import peft_methods  # here: discovery and pruning stay free of torch
+
             # The base embeddings/head are unchanged (no vocabulary resize): the adapter alone is enough.
             unwrapped.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
+            peft_methods.save_into(
+                unwrapped, tmp
+            )  # LoRA-GA's init, SDLoRA's SSM tensors (if the method has them)
         else:
             unwrapped.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

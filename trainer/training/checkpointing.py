@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer import runfolder
+from trainer import peft_methods, runfolder
 from trainer.config import Config
 from trainer.training import checkpoint_files as ckpt
 from trainer.training.evaluation import best_is, metric_value
@@ -74,6 +74,7 @@ def load_checkpoint_weights(model, checkpoint: Path, accelerator) -> None:
     adapter = checkpoint / "adapter_model.safetensors"
     if adapter.is_file():
         set_peft_model_state_dict(accelerator.unwrap_model(model), load_file(str(adapter)))
+        peft_methods.load_into(accelerator.unwrap_model(model), checkpoint)  # LoRA-GA offset, SDLoRA tensors
 
 
 def skip_model_state(accelerator) -> None:

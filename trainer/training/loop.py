@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import runfolder
+from trainer import peft_methods, runfolder
 from trainer.config import Config
 from trainer.data.dataset import prepare_data
 from trainer.model.loading import load_for_training
@@ -129,6 +129,8 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
     world = accelerator.num_processes
     rows_per_step = cfg.training.micro_batch_size * cfg.training.gradient_accumulation_steps * world
     total_steps = count_steps(cfg, len(data.train), world)
+    # LoRA-GA's init, SDLoRA's stage one and masks: once per run folder, before the optimizer sees the weights.
+    peft_methods.prepare(loaded, cfg, data, pad_id, kernels.loss, accelerator, output_dir, log)
     model, optimizer, scheduler = setup_optimizer(
         kernels.prepare(loaded.model), cfg, accelerator, total_steps
     )

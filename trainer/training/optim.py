@@ -12,11 +12,13 @@ from trainer.config import Config
 def make_optimizer(model, cfg: Config, on_cuda: bool):
     """AdamW, or bitsandbytes' 8-bit / paged variants (CUDA only: they page through unified memory).
 
-    Biases and norms (parameters under two dimensions) get no weight decay."""
+    Biases and norms (parameters under two dimensions) get no weight decay, nor parameters marked
+    ``_no_weight_decay`` (Mamba's A_log and D, SDLoRA's partly frozen SSM tensors: decay would move
+    entries whose gradient is masked to zero)."""
     o = cfg.optimization
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    decay = [p for p in params if p.dim() >= 2 and not getattr(p, "_no_weight_decay", False)]
+    no_decay = [p for p in params if p.dim() < 2 or getattr(p, "_no_weight_decay", False)]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {"lr": o.learning_rate, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_epsilon}
     if o.optimizer == "adamw":

@@ -1,0 +1,237 @@
+"""GPU comparison of LoRA, SDLoRA and LoRA-GA on a small Mamba-2 and one GLUE-style task (issue 17).
+
+Each method trains through the kit's own CLI (``python -m trainer train``) with the same data, seed,
+steps and LoRA rank, in its own run folder under ``--out``; the script then reads the run folders:
+loss curve, final task metric (sst2 accuracy, generation-based), trainable parameters (the model
+report's LoRA count, plus SDLoRA's selected SSM values from its ``sdlora_selection`` event), median
+tokens/s, and LoRA-GA's init time and step-0 check. The task is generated (no download): SST-2-shaped
+TSVs whose label follows sentiment words, in ``<out>/glue/SST-2``, plus the same rows as instruction
+records (the task's own prompt and label word) for training.
+
+    python bench/bench_peft_methods.py --out $OUT/peft --steps 300            # ~50M Mamba-2, bf16, GPU
+    python bench/bench_peft_methods.py --out $OUT/peft --model /models/mamba2-130m --steps 300
+    python bench/bench_peft_methods.py --out /tmp/peft --smoke                  # tiny, a few steps, CPU ok
+
+Writes ``<out>/peft_methods.json`` and prints a markdown table for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# ~50M parameters with the tiny tokenizer's 1024 tokens: big enough for the fast kernels to matter.
+MAMBA2_SMALL = {
+    "model_type": "mamba2",
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "state_size": 64,
+    "expand": 2,
+    "head_dim": 64,
+    "num_heads": 24,
+    "n_groups": 1,
+    "chunk_size": 64,
+    "conv_kernel": 4,
+    "vocab_size": 1024,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+POSITIVE = ["good", "great", "warm", "fine", "lovely", "bright", "funny", "smart", "moving", "clever"]
+NEGATIVE = ["bad", "dull", "cold", "weak", "boring", "grim", "flat", "silly", "slow", "stale"]
+FILLER = [
+    "the",
+    "film",
+    "story",
+    "cast",
+    "plot",
+    "was",
+    "quite",
+    "a",
+    "very",
+    "and",
+    "with",
+    "its",
+    "ending",
+    "music",
+]
+METHODS = {
+    "lora": {},
+    "sdlora": {"method": "sdlora", "sdlora_stage_one_steps": 20},
+    "lora_ga": {"init": "lora_ga", "lora_ga_batches": 8},
+}
+
+
+def sentence(rng: random.Random, label: int) -> str:
+    words = [rng.choice(FILLER) for _ in range(rng.randint(4, 10))]
+    for _ in range(rng.randint(1, 2)):
+        words.insert(rng.randrange(len(words) + 1), rng.choice(POSITIVE if label else NEGATIVE))
+    return " ".join(words)
+
+
+def write_task(root: Path, train_rows: int, dev_rows: int, seed: int) -> tuple[Path, Path]:
+    """SST-2/{train,dev}.tsv under ``root``/glue, and the training rows as instruction records."""
+    from trainer.tasks.glue import GlueTask
+
+    rng = random.Random(seed)
+    folder = root / "glue" / "SST-2"
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", train_rows), ("dev", dev_rows)):
+        lines = ["sentence\tlabel"] + [f"{sentence(rng, i % 2)}\t{i % 2}" for i in range(n)]
+        (folder / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    task = GlueTask("sst2", root / "glue")
+    records = [{"prompt": task.prompt(e), "response": task.target(e)} for e in task.load("train")]
+    train = root / "sst2_train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root / "glue", train
+
+
+def write_model(root: Path, smoke: bool) -> Path:
+    """A random-init Mamba-2 folder: the small config (or the tiny one) with the tiny tokenizer."""
+    folder = root / "model"
+    folder.mkdir(parents=True, exist_ok=True)
+    tiny = REPO / "configs" / "tiny-mamba2"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(tiny / name, folder / name)
+    config = json.loads((tiny / "config.json").read_text()) if smoke else MAMBA2_SMALL
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def run_config(args, method: str, model: Path, random_init: bool, glue: Path, train: Path) -> Path:
+    run = args.out / method
+    cfg = {
+        "paths": {"output_dir": str(run), "train_file": str(train)},
+        "model": {"name_or_path": str(model), "random_init": random_init},
+        "training": {
+            "method": "lora",
+            "max_steps": args.steps,
+            "micro_batch_size": args.batch,
+            "save_steps": max(1, args.steps // 2),
+            "seed": args.seed,
+            "mixed_precision": "no" if args.smoke else "bf16",
+        },
+        "optimization": {"learning_rate": args.lr, "lr_scheduler": "cosine", "warmup_ratio": 0.05},
+        "lora": {"r": args.r, "alpha": 2 * args.r, "dropout": 0.0, "target_modules": ["in_proj", "lm_head"]}
+        | METHODS[method],
+        "data": {"max_length": 64, "val_fraction": 0.02, "packing": False},
+        "eval": {
+            "interval": max(1, args.steps // 5),
+            "batch_size": 32,
+            "task": "sst2",
+            "task_data_dir": str(glue),
+            "task_max_examples": args.dev,
+            "max_new_tokens": 3,
+            "generation_batch_size": 64,
+        },
+        "logging": {"progress_bar": False, "telemetry_interval": 5},
+    }
+    if args.smoke:
+        cfg["lora"].update(sdlora_stage_one_steps=2, lora_ga_batches=2)
+    path = args.out / f"{method}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def summary(run: Path) -> dict:
+    from trainer.runfolder import EVAL_LOG, EVENTS_LOG, TRAINING_LOG, iter_records, last_per_step
+
+    train = last_per_step(list(iter_records(run / "logs" / TRAINING_LOG)))
+    evals = last_per_step(list(iter_records(run / "logs" / EVAL_LOG)))
+    events = list(iter_records(run / "logs" / EVENTS_LOG))
+    report = next(e for e in events if e["event"] == "model_report")
+    selection = next((e for e in events if e["event"] == "sdlora_selection"), None)
+    init = next((e for e in events if e["event"] == "lora_ga_init"), None)
+    final = evals[-1] if evals else {}
+    rates = [r["tokens_per_sec"] for r in train[len(train) // 5 :] if r.get("tokens_per_sec")]
+    return {
+        "losses": {r["step"]: r["loss"] for r in train},
+        "final_loss": train[-1]["loss"] if train else None,
+        "eval": [
+            {"step": e["step"], "eval_loss": e.get("eval_loss"), **(e.get("metrics") or {})} for e in evals
+        ],
+        "final_accuracy": (final.get("metrics") or {}).get("accuracy"),
+        "lora_params": report["trainable_params"],
+        "ssm_values": selection["selected_values"] if selection else 0,
+        "tokens_per_sec": statistics.median(rates) if rates else None,
+        "kernel_path": report.get("kernel_path"),
+        "stage_one_seconds": selection["stage_one_seconds"] if selection else None,
+        "lora_ga": {k: init[k] for k in ("seconds", "step0_loss_base", "step0_loss_lora_ga")}
+        if init
+        else None,
+    }
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| method | trainable (LoRA + SSM values) | final loss | sst2 accuracy | tokens/s | extra |",
+        "|---|---|---|---|---|---|",
+    ]
+    for method, r in results.items():
+        if "error" in r:
+            lines.append(f"| {method} | - | - | - | - | failed: {r['error']} |")
+            continue
+        extra = ""
+        if r["stage_one_seconds"] is not None:
+            extra = f"stage one {r['stage_one_seconds']:.1f}s"
+        if r["lora_ga"]:
+            g = r["lora_ga"]
+            extra = f"init {g['seconds']:.1f}s, step-0 loss {g['step0_loss_base']:.5f} -> {g['step0_loss_lora_ga']:.5f}"
+        acc = "-" if r["final_accuracy"] is None else f"{r['final_accuracy']:.3f}"
+        tps = "-" if r["tokens_per_sec"] is None else f"{r['tokens_per_sec']:,.0f}"
+        lines.append(
+            f"| {method} | {r['lora_params']:,} + {r['ssm_values']:,} | {r['final_loss']:.4f} | {acc} | {tps} | {extra} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--model", help="a local Mamba-2 folder (pretrained); default: a random-init ~50M one"
+    )
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--r", type=int, default=8)
+    parser.add_argument("--train-rows", type=int, default=8000)
+    parser.add_argument("--dev", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny model, 4 steps: checks the script on a CPU"
+    )
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.batch, args.train_rows, args.dev = 4, 4, 64, 8
+    args.out.mkdir(parents=True, exist_ok=True)
+    glue, train = write_task(args.out, args.train_rows, args.dev, args.seed)
+    model = Path(args.model) if args.model else write_model(args.out, args.smoke)
+    results = {}
+    for method in args.methods:
+        config = run_config(args, method, model, args.model is None, glue, train)
+        done = subprocess.run([sys.executable, "-m", "trainer", "train", "--config", str(config)], cwd=REPO)
+        if done.returncode != 0:
+            results[method] = {"error": f"exit {done.returncode}"}
+            continue
+        results[method] = summary(args.out / method)
+    (args.out / "peft_methods.json").write_text(json.dumps(results, indent=1))
+    print(table(results))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
