@@ -414,22 +414,19 @@ def _device_series(cols, fields: list[str] | None, since_ts: float | None, max_p
 
 # ---------------------------------------------------------------- chart series (columnar)
 
-_tokens_cache: dict[tuple[str, int], np.ndarray] = {}
 
+def tokens_seen(run: RunData, start: int = 0) -> np.ndarray | None:
+    """Cumulative target tokens per training row from row ``start`` on (the x axis "tokens").
 
-def tokens_seen(run: RunData) -> np.ndarray | None:
-    """Cumulative target tokens per training row (the x axis "tokens"), cached per log version."""
+    The rows before ``start`` are only summed (no copy), so a poll for new steps costs the new rows.
+    """
     column = run.train.table.columns.get("tokens")
     if column is None:
         return None
-    key = (run.name, run.train.version)
-    cached = _tokens_cache.get(key)
-    if cached is None or len(cached) != len(column):
-        values = np.frombuffer(column, dtype=float)
-        cached = np.cumsum(np.where(np.isfinite(values), values, 0.0))
-        _tokens_cache.clear()  # one run's at a time is what a page needs
-        _tokens_cache[key] = cached
-    return cached
+    values = np.frombuffer(column, dtype=float)
+    before = float(np.nansum(values[:start])) if start else 0.0
+    new = values[start:]
+    return before + np.cumsum(np.where(np.isfinite(new), new, 0.0))
 
 
 def _kept_rows(columns: list[np.ndarray], max_points: int) -> np.ndarray:
@@ -451,8 +448,13 @@ def series(run: RunData, fields: list[str], log: str, since_step: int, max_point
     row-aligned (uPlot's data layout), rows from ``since_step`` on, downsampled to about ``max_points``."""
     with run.lock:
         if log == "train":
-            _train_series(run, fields, 0, 2)  # validates the field names (400 naming them)
             table = run.train.table
+            unknown = [f for f in fields if f not in table.columns and f not in TRAIN_FIELDS]
+            if unknown:
+                raise DashboardError(
+                    400,
+                    f"unknown field(s) {', '.join(unknown)} in the training log; fields: {', '.join(available_fields(run))}",
+                )
             start = table.index_from(since_step)
             steps = np.frombuffer(table.steps, dtype=np.int64)[start:]
             ts = table.columns.get("ts")
@@ -465,8 +467,7 @@ def series(run: RunData, fields: list[str], log: str, since_step: int, max_point
                 )
                 for f in fields
             }
-            seen = tokens_seen(run)
-            seen = seen[start:] if seen is not None else None
+            seen = tokens_seen(run, start)
             available = available_fields(run)
         else:
             _eval_series(run, fields, 0, 2)
