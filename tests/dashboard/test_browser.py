@@ -183,6 +183,8 @@ def test_readable_on_a_phone(browser, served):
         )
         assert 300 < chart_width <= 390  # full width, drawn at that size (ticks stay 12 px)
         save(browser, "dashboard-phone.png")
+        browser.execute_script("document.querySelector(\"figure[data-chart='loss']\").scrollIntoView();")
+        save(browser, "dashboard-phone-charts.png")
         browser.find_element(By.ID, "tab-checkpoints").click()
         cell = browser.find_element(By.CSS_SELECTOR, "#checkpoint-table tbody tr td")
         assert cell.value_of_css_property("display") == "flex"  # rows reflow to labelled cards
