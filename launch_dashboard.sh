@@ -26,5 +26,12 @@ if [ -z "$python" ]; then
   python="$repo/.venv-dashboard/bin/python"
 fi
 
+# A training venv made before gunicorn joined the train extra: add it (small, pure Python), so the
+# dashboard is served by gunicorn whichever venv was picked; offline, Flask's server still serves.
+if ! "$python" -c 'import gunicorn' >/dev/null 2>&1 && [ "${DASHBOARD_SERVER_INSTALL:-1}" = 1 ]; then
+  echo "Adding gunicorn to $("$python" -c 'import sys; print(sys.prefix)') to serve the dashboard ..." >&2
+  "$python" -m pip install --quiet "gunicorn>=22" >&2 || echo "could not install gunicorn; serving with Flask's server" >&2
+fi
+
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 exec "$python" -m dashboard "$@"

@@ -78,6 +78,23 @@ def metrics():
     return jsonify(result)
 
 
+@bp.get("/api/series")
+def series():
+    """Chart-ready columns (``step``, ``wall``, ``tokens_seen``, one list per field) from ``since_step``."""
+    log = choice_arg(request.args, "log", ("train", "eval"), "train")
+    fields = list_arg("field") or (["loss"] if log == "train" else ["eval_loss"])
+    since_step = int_arg(request.args, "since_step", 0, 0)
+    max_points = max_points_arg(4000)
+    return jsonify(data.series(current_run(), fields, log, since_step, max_points))
+
+
+@bp.get("/api/config")
+def config():
+    """The saved config of ``run`` (repeat or comma-separate for several: only differing keys, unless ``all=1``)."""
+    names = list_arg("run")
+    return jsonify(data.config_view(state().registry, names, bool_arg(request.args, "all")))
+
+
 @bp.get("/api/evals")
 def evals():
     return jsonify(data.evals(current_run()))
@@ -112,7 +129,10 @@ def gpu():
     since_ts = float_arg(request.args, "since_ts", None, 0.0, 1e12)
     max_points = max_points_arg(500)
     with_series = bool_arg(request.args, "series", True)
-    return jsonify(data.gpu(current_run(), fields, since_ts, max_points, with_series))
+    result = data.gpu(current_run(), fields, since_ts, max_points, with_series)
+    if choice_arg(request.args, "format", ("json", "csv"), "json") == "csv":
+        return Response(data.gpu_csv(result), mimetype="text/csv")
+    return jsonify(result)
 
 
 def expert_window() -> tuple[str, int | None, int | None]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer import runfolder
+from trainer.runfolder import runconfig
 from trainer.runfolder.columns import as_float, finite, record_ts
 from trainer.runfolder.reader import read_json_object, tail_records
 from trainer.runfolder.records import EvalRecord, TrainRecord
@@ -153,6 +154,7 @@ def stats(run: RunData, policy: StallPolicy, now: float | None = None) -> dict:
             "records": run.train.table.rows,
             "versions": run.versions(),
             "kernels": kernels(run),  # trainer.runfolder.summaries
+            "output_dir": info.get("output_dir") if isinstance(info.get("output_dir"), str) else None,
         }
 
 
@@ -174,7 +176,12 @@ def run_summary(name: str, path: Path, root: Path, policy: StallPolicy, now: flo
     ]
     activity = newest(times, path)
     status, reason = assess(info, events, errors, train_ts, activity, now, policy)
-    return {"name": name, **headline(info, latest, status, reason), "last_activity": activity}
+    return {
+        "name": name,
+        **headline(info, latest, status, reason),
+        "last_activity": activity,
+        "tokens_per_sec": finite(latest.get("tokens_per_sec")),
+    }
 
 
 def runs(registry: RunRegistry, policy: StallPolicy, now: float | None = None) -> dict:
@@ -370,6 +377,16 @@ def gpu(
         return result
 
 
+def gpu_csv(result: dict) -> str:
+    """``device,field,wall_time,value`` rows of every device's series."""
+    lines = ["device,field,wall_time,value"]
+    for device, fields in result.get("series", {}).items():
+        for name, data in fields.items():
+            for wall, value in data["points"]:
+                lines.append(f"{device},{name},{wall},{'' if value is None else value}")
+    return "\n".join(lines) + "\n"
+
+
 def _device_series(cols, fields: list[str] | None, since_ts: float | None, max_points: int) -> dict:
     ts_col = cols.columns.get("ts")
     if ts_col is None:
@@ -393,3 +410,111 @@ def _device_series(cols, fields: list[str] | None, since_ts: float | None, max_p
             "dropped": len(values) - len(keep),
         }
     return out
+
+
+# ---------------------------------------------------------------- chart series (columnar)
+
+
+def tokens_seen(run: RunData, start: int = 0) -> np.ndarray | None:
+    """Cumulative target tokens per training row from row ``start`` on (the x axis "tokens").
+
+    The rows before ``start`` are only summed (no copy), so a poll for new steps costs the new rows.
+    """
+    column = run.train.table.columns.get("tokens")
+    if column is None:
+        return None
+    values = np.frombuffer(column, dtype=float)
+    before = float(np.nansum(values[:start])) if start else 0.0
+    new = values[start:]
+    return before + np.cumsum(np.where(np.isfinite(new), new, 0.0))
+
+
+def _kept_rows(columns: list[np.ndarray], max_points: int) -> np.ndarray:
+    """Rows to send for several fields sharing one x: the union of each field's picks (first,
+    last, each bucket's lowest and highest), each field with its share of ``max_points``."""
+    n = len(columns[0]) if columns else 0
+    if max_points <= 0 or n <= max_points:
+        return np.arange(n)
+    share = max(4, max_points // max(1, len(columns)))
+    return np.unique(np.concatenate([downsample_indices(c, share) for c in columns]))
+
+
+def _column_list(values: np.ndarray) -> list:
+    return [v if math.isfinite(v) else None for v in values.tolist()]
+
+
+def series(run: RunData, fields: list[str], log: str, since_step: int, max_points: int) -> dict:
+    """Chart-ready columns: ``step``, ``wall`` (Unix s), ``tokens_seen`` and one list per field,
+    row-aligned (uPlot's data layout), rows from ``since_step`` on, downsampled to about ``max_points``."""
+    with run.lock:
+        if log == "train":
+            table = run.train.table
+            unknown = [f for f in fields if f not in table.columns and f not in TRAIN_FIELDS]
+            if unknown:
+                raise DashboardError(
+                    400,
+                    f"unknown field(s) {', '.join(unknown)} in the training log; fields: {', '.join(available_fields(run))}",
+                )
+            start = table.index_from(since_step)
+            steps = np.frombuffer(table.steps, dtype=np.int64)[start:]
+            ts = table.columns.get("ts")
+            wall = np.frombuffer(ts, dtype=float)[start:] if ts is not None else np.full(len(steps), np.nan)
+            columns = {
+                f: (
+                    np.frombuffer(table.columns[f], dtype=float)[start:]
+                    if f in table.columns
+                    else np.full(len(steps), np.nan)
+                )
+                for f in fields
+            }
+            seen = tokens_seen(run, start)
+            available = available_fields(run)
+        else:
+            _eval_series(run, fields, 0, 2)
+            records = [r for r in run.evals.records() if r["step"] >= since_step]
+            flats = [flatten_eval(r) for r in records]
+            steps = np.array([r["step"] for r in records], dtype=np.int64)
+            wall = np.array([f.get("ts", math.nan) for f in flats], dtype=float)
+            columns = {f: np.array([x.get(f, math.nan) for x in flats], dtype=float) for f in fields}
+            seen = None
+            available = (
+                sorted(set(EVAL_FIELDS).union(*[f.keys() for f in flats])) if flats else list(EVAL_FIELDS)
+            )
+        keep = _kept_rows(list(columns.values()), max_points)
+        all_steps = run.train.table.steps if log == "train" else [r["step"] for r in run.evals.records()]
+        return {
+            "run": run.name,
+            "log": log,
+            "since_step": since_step,
+            "max_points": max_points,
+            "last_step": all_steps[-1] if len(all_steps) else None,
+            "total": len(steps),
+            "dropped": len(steps) - len(keep),
+            "started_at": finite(run.run_json.get("started_at")),
+            "fields": available,
+            "step": steps[keep].tolist(),
+            "wall": _column_list(wall[keep]),
+            "tokens_seen": _column_list(seen[keep]) if seen is not None else None,
+            "series": {f: _column_list(c[keep]) for f, c in columns.items()},
+        }
+
+
+# ---------------------------------------------------------------- config and comparison
+
+
+def config_view(registry: RunRegistry, names: list[str], everything: bool) -> dict:
+    """The saved config of one run (every key), or of several (only the keys that differ, unless
+    ``everything``): ``keys`` and per key the value in each run, in the order the runs were given."""
+    chosen = [registry.get(name) for name in names] if names else [registry.get(None)]
+    configs = [runconfig.read_config(run.path, registry.root) for run in chosen]
+    if len(configs) == 1 or everything:
+        keys = sorted(set().union(*configs))
+    else:
+        keys = runconfig.differing(configs)
+    return {
+        "runs": [run.name for run in chosen],
+        "found": [bool(c) for c in configs],
+        "keys": keys,
+        "values": {k: [c.get(k) for c in configs] for k in keys},
+        "total_keys": len(set().union(*configs)),
+    }

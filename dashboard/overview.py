@@ -15,10 +15,11 @@ from pathlib import Path
 from flask import Blueprint, current_app, jsonify, render_template, request
 
 from trainer import runfolder
+from trainer.runfolder import runconfig
 from trainer.runfolder.best import record_task
 from trainer.runfolder.columns import finite
 from trainer.runfolder.discovery import find_sweeps, sweep_jobs, sweep_name
-from trainer.runfolder.reader import tail_records
+from trainer.runfolder.reader import read_json_object, tail_records
 
 from . import data
 from .errors import choice_arg
@@ -27,14 +28,42 @@ from .runs import RunRegistry, StallPolicy
 bp = Blueprint("overview", __name__)
 
 EVAL_TAIL_BYTES = 4 << 20  # evaluation logs are short; this holds thousands of evaluations
-SORT_KEYS = ("name", "sweep", "status", "progress", "best", "step", "started_at", "last_activity")
-NUMERIC_KEYS = ("progress", "best", "step", "started_at", "last_activity")
+HYPERPARAMETERS = ("method", "model", "lora_r", "learning_rate", "effective_batch")
+SORT_KEYS = (
+    "name",
+    "sweep",
+    "status",
+    "progress",
+    "best",
+    *HYPERPARAMETERS,
+    "tokens_per_sec",
+    "step",
+    "started_at",
+    "last_activity",
+)
+NUMERIC_KEYS = (
+    "progress",
+    "best",
+    "lora_r",
+    "learning_rate",
+    "effective_batch",
+    "tokens_per_sec",
+    "step",
+    "started_at",
+    "last_activity",
+)
 COLUMNS = (
     ("name", "run"),
     ("sweep", "sweep"),
     ("status", "status"),
     ("progress", "progress"),
     ("best", "best metric"),
+    ("method", "method"),
+    ("model", "model"),
+    ("lora_r", "LoRA r"),
+    ("learning_rate", "learning rate"),
+    ("effective_batch", "eff. batch"),
+    ("tokens_per_sec", "tokens/s"),
     ("step", "step"),
     ("started_at", "started"),
     ("last_activity", "last activity"),
@@ -99,7 +128,8 @@ def sort_rows(rows: list[dict], key: str, order: str) -> list[dict]:
 def overview(
     registry: RunRegistry, policy: StallPolicy, sort: str = "started_at", order: str = "desc", now=None
 ) -> dict:
-    """Every run: status, progress, best metric, sweep; plus each sweep's counts."""
+    """Every run: status, progress, best metric, sweep, hyperparameters from its saved config
+    (``trainer.runfolder.runconfig.hyperparameters``), tokens/s; plus each sweep's counts."""
     now = time.time() if now is None else now
     root = registry.root
     membership, sweeps = sweep_index(root)
@@ -109,10 +139,10 @@ def overview(
         summary["best"] = best_of(path, root)
         job = membership.get(os.path.realpath(path))
         summary["sweep"] = job["sweep"] if job else None
+        info = read_json_object(path / runfolder.RUN_JSON, root)
         # SLURM job id, queue state (as `sweep status` last saw it) and attempt; None outside SLURM
-        summary["slurm"] = runfolder.slurm_row(
-            runfolder.read_json_object(path / runfolder.RUN_JSON, root), job
-        )
+        summary["slurm"] = runfolder.slurm_row(info, job)
+        summary.update(runconfig.hyperparameters(runconfig.read_config(path, root), info))
         rows.append(summary)
     return {
         "root": str(root),

@@ -10,7 +10,7 @@ import math
 
 from trainer import runfolder
 
-STATUSES = (*runfolder.STATUSES, "stalled")
+STATUSES = (*runfolder.STATUSES, "stalled", "dead")
 
 # (metric name, help, key in the stats dict)
 RUN_GAUGES = (

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trainer import runfolder
 from trainer.runfolder.columns import record_ts
+from trainer.runfolder.liveness import HOST, process_gone
 from trainer.runfolder.reader import inside, read_json_object
 from trainer.runfolder.rundata import RunData
 
@@ -134,6 +135,28 @@ def evaluation_under_way(events: list[dict]) -> bool:
     return False
 
 
+def age_words(seconds: float) -> str:
+    """``82`` -> ``1 min 22 s``; ``7500`` -> ``2 h 5 min``; ``200000`` -> ``2 days 7 h``: an age a person reads."""
+    seconds = max(0, int(round(seconds)))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days} day{'s' if days > 1 else ''}" + (f" {hours} h" if hours else "")
+    if hours:
+        return f"{hours} h" + (f" {minutes} min" if minutes else "")
+    if minutes:
+        return f"{minutes} min" + (f" {secs} s" if secs else "")
+    return f"{secs} s"
+
+
+ENDED = {
+    "finished": "training ended normally",
+    "failed": "the trainer recorded a failure",
+    "interrupted": "stopped by a signal after saving a checkpoint; launch again to resume",
+}
+
+
 def assess(
     run_json: dict,
     events: list[dict],
@@ -142,24 +165,30 @@ def assess(
     last_activity: float | None,
     now: float,
     policy: StallPolicy,
+    host: str = HOST,
 ) -> tuple[str, str]:
-    """(status, why): running, finished, failed, interrupted, or stalled.
+    """(status, why in plain words): running, finished, failed, interrupted, dead or stalled.
 
     run.json's final status wins, then a ``run_end`` event after the last ``run_start``, then an
-    error logged after the last start with no training record since. Otherwise a run is running,
-    unless nothing arrived for much longer than its usual step time: ``policy.factor`` times the
-    median interval between training records, at least ``policy.min_seconds``
-    (``policy.startup_seconds`` before its first two records) - then it is stalled.
+    error logged after the last start with no training record since. A run that says it is
+    running on this host whose process is gone is dead (the rule ``list`` uses,
+    ``trainer.runfolder.liveness``). Otherwise it is running, unless nothing arrived for much
+    longer than its usual step time: ``policy.factor`` times the median interval between training
+    records, at least ``policy.min_seconds`` (``policy.startup_seconds`` before its first two
+    records) - then it is stalled.
     """
     declared = run_json.get("status")
-    if declared in ("finished", "failed", "interrupted"):
-        return declared, "run.json status"
+    if declared in ENDED:
+        return declared, ENDED[declared]
     ended, started = lifecycle(events)
-    if ended in ("finished", "failed", "interrupted"):
-        return ended, "run_end event"
+    if ended in ENDED:
+        return ended, ENDED[ended]
     error_times = [t for t in map(record_ts, errors) if t is not None and (started is None or t >= started)]
     if error_times and (not train_ts or train_ts[-1] <= max(error_times)):
-        return "failed", "error logged and no training step since"
+        return "failed", "an error was logged and no training step came after it"
+    if process_gone(run_json, host):
+        quiet = f"; last record {age_words(now - last_activity)} ago" if last_activity is not None else ""
+        return "dead", f"its process (pid {run_json.get('pid')}) is gone from {host} without a word{quiet}"
     if last_activity is None:
         return "running", "no records yet"
     interval = typical_interval(train_ts)
@@ -169,7 +198,9 @@ def assess(
         limit = max(limit, policy.startup_seconds)
     quiet = now - last_activity
     if quiet > limit:
-        return "stalled", f"no record for {quiet:.0f} s (limit {limit:.0f} s)"
+        usual = f" (usually one every {age_words(interval)})" if interval and interval >= 1 else ""
+        what = "new step" if train_ts else "record"
+        return "stalled", f"no {what} for {age_words(quiet)}{usual}"
     if evaluating:
         return "running", "evaluating"
     return "running", "records arriving" if interval else "starting: no training steps logged yet"

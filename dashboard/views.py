@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import dataclass
 
 from flask import Blueprint, current_app, render_template, request, url_for
-
-from trainer.runfolder.plots import PLOT_NAMES, PLOT_SOURCES
 
 from . import data
 from .errors import DashboardError, float_arg
@@ -14,6 +13,35 @@ from .errors import DashboardError, float_arg
 bp = Blueprint("views", __name__)
 
 POLL_CHOICES = (1, 2, 5, 10, 30, 60)
+TABS = (
+    ("charts", "charts"),
+    ("evals", "evaluations"),
+    ("checkpoints", "checkpoints"),
+    ("events", "events"),
+    ("devices", "devices"),
+    ("config", "config"),
+)
+
+
+@dataclass(frozen=True)
+class ChartSpec:
+    """A chart on the page: which series it draws (static/charts.js) and its matplotlib PNG, if any."""
+
+    name: str
+    title: str
+    png: str | None = None
+    hide_when_empty: bool = False
+
+
+CHARTS = (
+    ChartSpec("loss", "loss", "loss"),
+    ChartSpec("lr", "learning rate", "lr"),
+    ChartSpec("throughput", "throughput (tokens/s)", "throughput"),
+    ChartSpec("grad_norm", "gradient norm", "grad_norm"),
+    ChartSpec("memory", "peak memory (MiB)", "memory"),
+    ChartSpec("gpu_util", "device utilisation (%)", "gpu_util", hide_when_empty=True),
+    ChartSpec("gpu_memory", "device memory used (MiB)", "gpu_memory", hide_when_empty=True),
+)
 
 
 def state():
@@ -53,8 +81,8 @@ def index():
         stats=initial["stats"] if initial else None,
         interval=interval,
         poll_choices=sorted({*POLL_CHOICES, interval}),
-        plots=PLOT_NAMES,
-        plot_sources=PLOT_SOURCES,
+        charts=CHARTS,
+        tabs=TABS,
         token=request.args.get("token") or "",
         log_root=current_app.config["DASHBOARD_LOG_ROOT"],
     )

@@ -292,12 +292,23 @@ def build_failed(run: Path, now: float) -> None:
     )
 
 
+def write_config(run: Path, learning_rate: float, rank: int, method: str = "lora") -> None:
+    """A saved config.yaml as the trainer writes it (the config panel, diff and overview columns read it)."""
+    (run / runfolder.CONFIG_YAML).write_text(
+        f"model:\n  name_or_path: configs/tiny-moe\ntraining:\n  method: {method}\n  micro_batch_size: 8\n"
+        f"  gradient_accumulation_steps: 2\noptimization:\n  learning_rate: {learning_rate}\n  lr_scheduler: cosine\n"
+        f"lora:\n  r: {rank}\n  alpha: 32\n"
+    )
+
+
 def build_log_root(base: Path, now: float | None = None) -> Path:
     """The log root used by most dashboard tests; ``base/secret`` lies outside it."""
     now = time.time() if now is None else now
     root = base / "runs"
     build_demo(root / DEMO, now)
     build_failed(root / "failed", now - 10)
+    write_config(root / DEMO, 3e-3, 16)
+    write_config(root / "failed", 1e-4, 8)
     # Logs that exist but are empty, and a run with only run.json.
     empty_logs = root / "empty" / runfolder.LOGS_DIR
     empty_logs.mkdir(parents=True)
@@ -317,6 +328,7 @@ def build_log_root(base: Path, now: float | None = None) -> Path:
         root / "sweep" / "lr-1e-4" / runfolder.LOGS_DIR / runfolder.TRAINING_LOG,
         [train_record(1, now - 7300, 2.5)],
     )
+    write_config(root / "sweep" / "lr-1e-4", 1e-4, 16)
     # Outside the root: a run folder a symlink inside the root points at.
     secret = base / "secret"
     append(secret / runfolder.LOGS_DIR / runfolder.TRAINING_LOG, [train_record(1, now, 9.99)])

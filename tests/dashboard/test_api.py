@@ -6,12 +6,16 @@ import csv
 import io
 import json
 import math
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from dashboard import create_app
+from dashboard.runs import age_words
 from tests.dashboard.fixtures import DEMO, LAST_STEP, NAN_STEP, TOTAL_STEPS, append, demo_loss, train_record
 from trainer import runfolder
 
@@ -94,11 +98,41 @@ def test_status_stalled_when_quiet_for_much_longer_than_a_step(tmp_path: Path):
     client = create_app(tmp_path).test_client()
     assert get(client, "/api/stats?run=alive")["status"] == "running"
     quiet = get(client, "/api/stats?run=quiet")
-    assert quiet["status"] == "stalled" and "no record for 12" in quiet["status_reason"]
+    assert (
+        quiet["status"] == "stalled"
+        and quiet["status_reason"] == "no new step for 2 min (usually one every 1 s)"
+    )
     assert quiet["eta_seconds"] is None
     assert get(client, "/api/stats?run=slow")["status"] == "running"
     listing = {r["name"]: r["status"] for r in get(client, "/api/runs")["runs"]}
     assert listing == {"alive": "running", "quiet": "stalled", "slow": "running"}
+
+
+def test_a_killed_run_is_dead_at_once_on_its_host(tmp_path: Path):
+    """SIGKILL leaves run.json saying running; its pid gone from this host makes it dead, not stalled."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    write_running(tmp_path, "killed", time.time() - 1, pid=victim.pid, hosts=[socket.gethostname()])
+    write_running(tmp_path, "elsewhere", time.time() - 1, pid=victim.pid, hosts=["another-node"])
+    client = create_app(tmp_path).test_client()
+    assert get(client, "/api/stats?run=killed")["status"] == "running"
+    victim.kill()  # a zombie until reaped: still counts as gone
+    deadline = time.monotonic() + 5  # SIGKILL lands within milliseconds; the next poll sees it
+    while (dead := get(client, "/api/stats?run=killed"))["status"] != "dead" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dead["status"] == "dead" and f"pid {victim.pid}" in dead["status_reason"]
+    assert dead["eta_seconds"] is None
+    victim.wait()
+    listing = {r["name"]: r["status"] for r in get(client, "/api/runs")["runs"]}
+    assert listing == {"killed": "dead", "elsewhere": "running"}  # another host's pid says nothing here
+    assert 'finetune_status{run="killed",status="dead"} 1' in client.get("/metrics?all=1").get_data(
+        as_text=True
+    )
+
+
+def test_ages_read_as_words():
+    assert [age_words(s) for s in (0, 42, 60, 82, 3600, 7500, 86400, 200000)] == [
+        "0 s", "42 s", "1 min", "1 min 22 s", "1 h", "2 h 5 min", "1 day", "2 days 7 h"
+    ]  # fmt: skip
 
 
 def test_status_from_run_end_event_and_errors(tmp_path: Path):

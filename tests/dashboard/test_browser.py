@@ -1,10 +1,14 @@
 """A real browser (headless Chromium through selenium and the system chromedriver) against a live
-dashboard: the cards fill, the plots load, polling updates the page in place, and it fits a phone.
-Screenshots go to test-artifacts/."""
+dashboard: the cards fill, the charts draw, polling fetches only new steps, hover shows values, drag
+zooms, three runs compare, the view survives a reload from its URL, dark theme, a phone's 390 px, and
+a killed run reads "dead". Screenshots go to test-artifacts/."""
 
 from __future__ import annotations
 
 import shutil
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -13,12 +17,13 @@ from pathlib import Path
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from werkzeug.serving import make_server
 
 from dashboard import create_app
-from tests.dashboard.fixtures import DEMO, append, build_log_root, train_record
+from tests.dashboard.fixtures import DEMO, LAST_STEP, append, build_log_root, demo_loss, train_record
 from tests.helpers import REPO
 from trainer import runfolder
 
@@ -66,10 +71,28 @@ def text_of(driver, stat: str) -> str:
     return driver.find_element(By.CSS_SELECTOR, f'[data-stat="{stat}"]').text
 
 
-def plots_loaded(driver) -> bool:
+def charts_drawn(driver, names=("loss", "lr", "throughput", "grad_norm", "memory")) -> bool:
+    """The named uPlot charts exist and hold points (figure[data-points] is set after each draw)."""
     return driver.execute_script(
-        "const imgs = [...document.querySelectorAll('img[data-plot]')];"
-        "return imgs.length > 0 && imgs.every(i => i.complete && i.naturalWidth > 0 && i.src.includes('/api/plots/'));"
+        "return arguments[0].every(n => { const f = document.querySelector(`figure[data-chart='${n}']`);"
+        " return f && Number(f.dataset.points) > 0 && f.querySelector('.uplot canvas'); });",
+        list(names),
+    )
+
+
+def legend(driver, chart: str) -> dict[str, str]:
+    """Series label -> the value the legend shows for the point under the cursor."""
+    return driver.execute_script(
+        "const rows = document.querySelectorAll(`figure[data-chart='${arguments[0]}'] .u-legend .u-series`);"
+        "return Object.fromEntries([...rows].map(r => [r.querySelector('.u-label').textContent,"
+        " r.querySelector('.u-value').textContent]));",
+        chart,
+    )
+
+
+def series_labels(driver, chart: str) -> list[str]:
+    return driver.execute_script(
+        "return window.dashboard.hub.charts[arguments[0]].plot.series.slice(1).map(s => s.label);", chart
     )
 
 
@@ -91,35 +114,48 @@ def test_page_fills_plots_load_and_updates_in_place(browser, served):
     wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1")
     assert text_of(browser, "step") == str(last_step)
     assert text_of(browser, "status") == "running"
-    wait(browser, plots_loaded, message="plots did not load")
+    wait(browser, charts_drawn, message="charts did not draw")
     rows = browser.find_elements(By.CSS_SELECTOR, "#checkpoint-table tbody tr")
     assert len(rows) == 4
     assert [r.get_attribute("data-step") for r in rows if "best" in r.get_attribute("class")] == ["30"]
     assert len(browser.find_elements(By.CSS_SELECTOR, "#gpu-cards .gpu-card")) == 3
-    assert "resume" in browser.find_element(By.ID, "event-timeline").text
+    assert "resume" in browser.find_element(By.ID, "event-timeline").get_attribute("textContent")
     save(browser, "dashboard.png")
 
-    # New records arrive: the page follows by polling, without reloading.
+    # New records arrive: the page follows by polling, fetching only the new steps, without reloading.
     browser.execute_script("window.__stillHere = true;")
-    loss_src = browser.find_element(By.ID, "plot-loss").get_attribute("src")
-    gpu_src = browser.find_element(By.ID, "plot-gpu_util").get_attribute("src")
+    points = int(
+        browser.find_element(By.CSS_SELECTOR, "figure[data-chart='loss']").get_attribute("data-points")
+    )
     with open(log, "ab") as handle:
         handle.write(b"\n")  # ends the half-written line the fixture left
     append(log, [train_record(last_step + 1, time.time(), 0.123)])
     wait(browser, lambda d: text_of(d, "step") == str(last_step + 1), message="step did not update")
     assert text_of(browser, "loss") == "0.123"
     assert browser.execute_script("return window.__stillHere === true;")
-    wait(browser, lambda d: d.find_element(By.ID, "plot-loss").get_attribute("src") != loss_src)
-    wait(browser, plots_loaded)
-    assert browser.find_element(By.ID, "plot-gpu_util").get_attribute("src") == gpu_src  # telemetry unchanged
+    loss_chart = browser.find_element(By.CSS_SELECTOR, "figure[data-chart='loss']")
+    wait(
+        browser,
+        lambda d: int(loss_chart.get_attribute("data-points")) == points + 1,
+        message="chart did not grow",
+    )
+    fetched = browser.execute_script(
+        "return performance.getEntriesByType('resource').map(e => e.name).filter(n => n.includes('/api/series'));"
+    )
+    assert any(f"since_step={last_step + 1}" in name for name in fetched)  # only the new step was fetched
+    assert not any("/api/gpu?" in n and "field=" in n for n in fetched)  # telemetry unchanged: not re-fetched
     assert console_errors(browser) == []  # no CSP violations, no failed fetches
 
 
 def test_run_picker_error_panel_and_compare(browser, served):
     browser.get(f"{served['url']}/?token={TOKEN}&interval=30")
     wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1")
+    wait(browser, charts_drawn)
     Select(browser.find_element(By.ID, "compare-picker")).select_by_value("failed")
-    wait(browser, lambda d: "compare=failed" in d.find_element(By.ID, "plot-loss").get_attribute("src"))
+    wait(browser, lambda d: "failed" in series_labels(d, "loss"), message="the compared run is not drawn")
+    assert "compare=failed" in browser.find_element(By.CSS_SELECTOR, "a.png[data-plot='loss']").get_attribute(
+        "href"
+    )
     Select(browser.find_element(By.ID, "run-picker")).select_by_value("failed")
     wait(browser, lambda d: text_of(d, "step") == "5", message="run switch did not update the cards")
     panel = browser.find_element(By.ID, "error-panel")
@@ -129,7 +165,7 @@ def test_run_picker_error_panel_and_compare(browser, served):
         and "Traceback" in browser.find_element(By.ID, "error-traceback").text
     )
     assert "run=failed" in browser.current_url
-    wait(browser, plots_loaded)
+    wait(browser, lambda d: charts_drawn(d, ("loss",)))
     save(browser, "dashboard-failed-run.png")
     assert console_errors(browser) == []
 
@@ -139,14 +175,25 @@ def test_readable_on_a_phone(browser, served):
     try:
         browser.get(f"{served['url']}/?token={TOKEN}")
         wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1")
-        wait(browser, plots_loaded)
+        wait(browser, charts_drawn)
         overflow = browser.execute_script("return document.documentElement.scrollWidth - window.innerWidth;")
         assert overflow <= 1
-        image_width = browser.execute_script(
-            "return document.getElementById('plot-loss').getBoundingClientRect().width;"
+        chart_width = browser.execute_script(
+            "return document.querySelector(\"figure[data-chart='loss'] canvas\").getBoundingClientRect().width;"
         )
-        assert 300 < image_width <= 390
+        assert 300 < chart_width <= 390  # full width, drawn at that size (ticks stay 12 px)
         save(browser, "dashboard-phone.png")
+        browser.execute_script("document.querySelector(\"figure[data-chart='loss']\").scrollIntoView();")
+        save(browser, "dashboard-phone-charts.png")
+        browser.find_element(By.ID, "tab-checkpoints").click()
+        cell = browser.find_element(By.CSS_SELECTOR, "#checkpoint-table tbody tr td")
+        assert cell.value_of_css_property("display") == "flex"  # rows reflow to labelled cards
+        assert (
+            browser.execute_script("return getComputedStyle(arguments[0], '::before').content;", cell)
+            == '"step"'
+        )
+        assert browser.execute_script("return document.documentElement.scrollWidth - window.innerWidth;") <= 1
+        save(browser, "dashboard-phone-checkpoints.png")
     finally:
         browser.set_window_size(1280, 2400)
 
@@ -169,7 +216,7 @@ def test_empty_root_page_fills_once_a_run_appears(browser, tmp_path: Path):
             Select(browser.find_element(By.ID, "run-picker")).first_selected_option.get_attribute("value")
             == "fresh"
         )
-        wait(browser, plots_loaded)
+        wait(browser, lambda d: charts_drawn(d, ("loss",)))
     finally:
         browser.get("about:blank")  # stop the page polling before its server goes
         server.shutdown()
@@ -180,6 +227,186 @@ def test_odd_runs_render_without_script_errors(browser, served, run: str):
     browser.get_log("browser")  # drop what earlier pages logged
     browser.get(f"{served['url']}/?token={TOKEN}&run={run}&interval=30")
     wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1")
-    wait(browser, plots_loaded)
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-charts"))
     assert browser.find_element(By.TAG_NAME, "body").get_attribute("data-error") in (None, "")
     assert console_errors(browser) == []
+
+
+def open_page(driver, base: str, query: str = "") -> None:
+    driver.get(f"{base}/?token={TOKEN}&interval=30{query}")
+    wait(driver, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1")
+    wait(driver, charts_drawn, message="charts did not draw")
+
+
+def test_hover_shows_every_series_value(browser, served):
+    open_page(browser, served["url"])
+    over = browser.find_element(By.CSS_SELECTOR, "figure[data-chart='loss'] .u-over")
+    ActionChains(browser).move_to_element_with_offset(over, over.size["width"] // 4, 10).perform()
+    wait(browser, lambda d: legend(d, "loss")["step"] not in ("-", "", "--"), message="no hover values")
+    shown = legend(browser, "loss")
+    index = browser.execute_script("return window.dashboard.hub.charts.loss.plot.cursor.idx;")
+    data = browser.execute_script("return window.dashboard.hub.charts.loss.plot.data;")
+    assert shown["step"] == str(data[0][index])
+    assert float(shown["loss"]) == pytest.approx(data[2][index], rel=1e-3)  # the smoothed value at that step
+    assert float(shown["loss (raw)"]) == pytest.approx(
+        demo_loss(data[0][index], replay=data[0][index] > 20), rel=1e-3
+    )
+    # The cursor is shared: the learning-rate chart shows its value at the same step.
+    assert legend(browser, "lr")["step"] == shown["step"] and legend(browser, "lr")["learning rate"] != "-"
+
+
+def test_drag_zooms_every_chart_and_reset_zooms_out(browser, served):
+    open_page(browser, served["url"])
+    over = browser.find_element(By.CSS_SELECTOR, "figure[data-chart='loss'] .u-over")
+    width = over.size["width"]
+    ActionChains(browser).move_to_element_with_offset(over, -width // 4, 0).click_and_hold().move_by_offset(
+        width // 4, 0
+    ).release().perform()
+    scale = "return window.dashboard.hub.charts[arguments[0]].plot.scales.x;"
+    wait(browser, lambda d: "zoom=" in d.current_url, message="zoom not in the URL")
+    loss, lr = browser.execute_script(scale, "loss"), browser.execute_script(scale, "lr")
+    assert 5 < loss["min"] < loss["max"] < 25 and (lr["min"], lr["max"]) == (loss["min"], loss["max"])
+    save(browser, "dashboard-zoomed.png")
+    browser.find_element(By.ID, "reset-zoom").click()
+    wait(browser, lambda d: "zoom=" not in d.current_url)
+    full = browser.execute_script(scale, "loss")
+    assert full["min"] <= 1 and full["max"] >= LAST_STEP
+
+
+def test_three_runs_compared_with_one_colour_each_and_a_config_diff(browser, served):
+    open_page(browser, served["url"], "&compare=failed,sweep/lr-1e-4")
+    labels = series_labels(browser, "loss")
+    assert {DEMO, "failed", "sweep/lr-1e-4"} <= set(labels)
+    colours = browser.execute_script(
+        "const chart = window.dashboard.hub.charts[arguments[0]].plot;"
+        "return Object.fromEntries(chart.series.slice(1).filter(s => !s.label.endsWith('(raw)') && !s.label.endsWith('eval'))"
+        ".map(s => [s.label, s._stroke || s.stroke()]));",
+        "loss",
+    )
+    lr_colours = browser.execute_script(
+        "const chart = window.dashboard.hub.charts.lr.plot;"
+        "return Object.fromEntries(chart.series.slice(1).map(s => [s.label, s._stroke || s.stroke()]));"
+    )
+    assert len(set(colours.values())) == 3 and colours == lr_colours  # the same run, the same colour
+    save(browser, "dashboard-compare.png")
+    browser.find_element(By.ID, "tab-config").click()
+    wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#config-table tbody tr")) == 2)
+    assert [c.text for c in browser.find_elements(By.CSS_SELECTOR, "#config-table tbody td:first-child")] == [
+        "lora.r",
+        "optimization.learning_rate",
+    ]  # only the keys that differ
+    assert "tab=config" in browser.current_url
+
+
+def test_the_view_is_a_url_that_reloads_as_it_was(browser, served):
+    open_page(browser, served["url"])
+    Select(browser.find_element(By.ID, "x-axis")).select_by_value("tokens")
+    browser.find_element(By.ID, "log-y").click()
+    slider = browser.find_element(By.ID, "smoothing")
+    browser.execute_script(
+        "arguments[0].value = '0.9'; arguments[0].dispatchEvent(new Event('input'));", slider
+    )
+    Select(browser.find_element(By.ID, "compare-picker")).select_by_value("failed")
+    browser.find_element(By.ID, "tab-events").click()
+    wait(browser, lambda d: "tab=events" in d.current_url)
+    url = browser.current_url
+    for part in ("x=tokens", "log=1", "smooth=0.9", "compare=failed", f"run={DEMO}"):
+        assert part in url
+    browser.get(url)
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1")
+    assert (
+        Select(browser.find_element(By.ID, "x-axis")).first_selected_option.get_attribute("value") == "tokens"
+    )
+    assert browser.find_element(By.ID, "log-y").is_selected()
+    assert browser.find_element(By.ID, "smoothing").get_attribute("value") == "0.9"
+    assert browser.find_element(By.ID, "panel-events").is_displayed()
+    assert not browser.find_element(By.ID, "panel-charts").is_displayed()
+    assert [
+        c.get_attribute("data-run") for c in browser.find_elements(By.CSS_SELECTOR, "#compare-chips .chip")
+    ] == [
+        DEMO,
+        "failed",
+    ]
+    timeline = browser.find_element(By.ID, "event-timeline").text
+    assert "/elsewhere/" not in timeline and "checkpoint-20" in timeline  # paths shortened
+    browser.find_element(By.ID, "tab-charts").click()
+    wait(browser, charts_drawn)
+    x_max = browser.execute_script("return window.dashboard.hub.charts.loss.plot.scales.x.max;")
+    assert x_max >= 512 * LAST_STEP * 0.99  # tokens seen, not steps
+    assert browser.execute_script("return window.dashboard.hub.charts.loss.plot.scales.y.distr;") == 3  # log
+
+
+def test_dark_theme_follows_the_system(browser, served):
+    browser.execute_cdp_cmd(
+        "Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": "dark"}]}
+    )
+    try:
+        open_page(browser, served["url"])
+        background = browser.execute_script("return getComputedStyle(document.body).backgroundColor;")
+        assert background == "rgb(13, 17, 23)"
+        save(browser, "dashboard-dark.png")
+    finally:
+        browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
+    open_page(browser, served["url"])
+    assert (
+        browser.execute_script("return getComputedStyle(document.body).backgroundColor;")
+        == "rgb(246, 247, 249)"
+    )
+
+
+def test_a_killed_run_shows_dead(browser, tmp_path: Path):
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    run = tmp_path / "runs" / "victim"
+    now = time.time()
+    append(
+        run / runfolder.LOGS_DIR / runfolder.TRAINING_LOG,
+        [train_record(s, now - 10 + s, 1.0) for s in range(1, 6)],
+    )
+    runfolder.write_json_atomic(
+        run / runfolder.RUN_JSON,
+        {"status": "running", "started_at": now - 20, "pid": victim.pid, "hosts": [socket.gethostname()]},
+    )
+    server = make_server("127.0.0.1", 0, create_app(tmp_path / "runs"), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        browser.get(f"http://127.0.0.1:{server.server_port}/?interval=0.5")
+        wait(browser, lambda d: text_of(d, "status") == "running")
+        victim.kill()
+        victim.wait()
+        wait(
+            browser, lambda d: text_of(d, "status") == "dead", timeout=5, message="the killed run is not dead"
+        )
+        assert f"pid {victim.pid}" in text_of(browser, "status_reason")
+        save(browser, "dashboard-dead.png")
+    finally:
+        victim.kill()
+        browser.get("about:blank")
+        server.shutdown()
+
+
+def test_runs_page_filters_and_opens_a_comparison(browser, served):
+    browser.get(f"{served['url']}/runs?token={TOKEN}")
+    browser.find_element(By.ID, "run-filter").send_keys("stalled")
+    visible = [
+        r.get_attribute("data-run")
+        for r in browser.find_elements(By.CSS_SELECTOR, "#runs-table tbody tr")
+        if r.is_displayed()
+    ]
+    assert visible and all(name not in visible for name in (DEMO, "failed"))
+    browser.find_element(By.ID, "run-filter").clear()
+    browser.execute_script(
+        "const f = document.getElementById('run-filter'); f.value = ''; f.dispatchEvent(new Event('input'));"
+    )
+    for name in (DEMO, "failed", "sweep/lr-1e-4"):
+        browser.find_element(By.CSS_SELECTOR, f"input.pick[value='{name}']").click()
+    assert "selected=" in browser.current_url
+    browser.find_element(By.ID, "compare-selected").click()
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1")
+    wait(browser, lambda d: {DEMO, "failed", "sweep/lr-1e-4"} <= set(series_labels(d, "loss")))
+    browser.set_window_size(390, 844)
+    try:
+        browser.get(f"{served['url']}/runs?token={TOKEN}")
+        assert browser.execute_script("return document.documentElement.scrollWidth - window.innerWidth;") <= 1
+        save(browser, "runs-phone.png")
+    finally:
+        browser.set_window_size(1280, 2400)

@@ -118,7 +118,7 @@ def test_api_lists_every_run_with_status_progress_best_and_sweep(client):
 def test_sorting_is_the_same_for_page_and_api(client, query, order):
     assert [r["name"] for r in client.get(f"/api/overview?{query}").get_json()["runs"]] == order
     page = client.get(f"/runs?{query}").get_data(as_text=True)
-    assert re.findall(r'<tr data-run="([^"]+)">', page) == order
+    assert re.findall(r'<tr data-run="([^"]+)"', page) == order
 
 
 def test_page_rows_link_to_runs_and_headers_sort(client):

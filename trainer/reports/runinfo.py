@@ -4,11 +4,10 @@ data, size. Reads logs through trainer.runfolder and config.yaml through trainer
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 from trainer import runfolder
+from trainer.runfolder.liveness import effective_status, process_alive  # noqa: F401 - list's rule, shared
 
 
 def find_runs(root: Path) -> list[Path]:
@@ -34,25 +33,6 @@ def best_metric(run_dir: Path) -> dict | None:
     if best is None:
         return None
     return {"name": best.metric.name, "value": best.value, "step": best.step}
-
-
-def process_alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, ValueError, TypeError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def effective_status(info: dict) -> str:
-    """run.json says running; if its process is gone from this host, the run died without a word."""
-    status = info.get("status") or "unknown"
-    hosts = info.get("hosts") or []
-    if status == "running" and hosts == [socket.gethostname()] and not process_alive(info.get("pid")):
-        return "dead"
-    return status
 
 
 def describe(run_dir: Path, root: Path, now: float) -> dict:
