@@ -343,6 +343,8 @@ def test_runs_overview_shows_each_runs_slurm_job_and_state(sweep_file, tmp_path,
     assert {k: row["slurm"][k] for k in ("id", "state", "attempt", "nodes")} == {
         "id": "4242_1", "state": "RUNNING", "attempt": 2, "nodes": "gpu07"
     }  # fmt: skip
+    page = client.get("/runs").get_data(as_text=True)
+    assert "SLURM 4242_1 running, attempt 2" in page
 
 
 def test_status_of_a_local_sweep_and_of_one_never_started(sweep_file, tmp_path, capsys):
