@@ -36,15 +36,35 @@ class BaseWeight:
         """The weight as a dense (out x in) tensor of ``dtype``; 4-bit weights land in a shared buffer."""
         if not self.quantized:
             return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
-        import bitsandbytes.functional as bnbf
-
         state = self.weight.quant_state
-        if self.weight.device.type == "cuda":  # bitsandbytes' CPU backend has no out= variant
-            out = _dequant_buffer(tuple(state.shape), state.dtype, self.weight.device)
-            dense = bnbf.dequantize_4bit(self.weight.data, state, out=out)
-        else:
+        if self.weight.device.type == "cuda":
+            dense = dequantize_4bit_into(self.weight.data, state)
+        else:  # bitsandbytes' CPU backend has no out= variant
+            import bitsandbytes.functional as bnbf
+
             dense = bnbf.dequantize_4bit(self.weight.data, state)
         return dense if dense.dtype == dtype else dense.to(dtype)
+
+
+def dequantize_4bit_into(packed: torch.Tensor, state) -> torch.Tensor:
+    """``bitsandbytes.functional.dequantize_4bit`` as its two CUDA ops, into the shared buffer.
+
+    The same kernels bitsandbytes' own function launches (absmax first when double-quantized), without
+    its Python checks: a step dequantizes every weight three times (forward, recompute, backward), and
+    the host time of those calls, not the kernels, is what bounds a QLoRA step on an H100."""
+    ops = torch.ops.bitsandbytes
+    absmax = state.absmax
+    if state.nested:
+        inner = state.state2
+        absmax = ops.dequantize_blockwise.default(
+            absmax, inner.absmax, inner.code, inner.blocksize, torch.float32
+        )
+        absmax += state.offset
+    out = _dequant_buffer(tuple(state.shape), state.dtype, packed.device)
+    ops.dequantize_4bit.out(
+        packed, absmax, state.blocksize, state.quant_type, state.shape, state.dtype, out=out
+    )
+    return out
 
 
 _BUFFERS: dict[tuple, torch.Tensor] = {}
