@@ -24,8 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from trainer.data.dataset import IGNORE, Sequence, collate, epoch_order
-from trainer.families.base import has_document_boundaries
-from trainer.fastpath import attention as fast_attention
 from trainer.training import chunked_loss
 
 # ---------------------------------------------------------------- rows and micro-batches
@@ -135,7 +133,6 @@ class HeadLoss:
 
     def __call__(self, model, batch: dict, accelerator):
         inputs = {k: v.to(accelerator.device) for k, v in self.model_inputs(batch).items()}
-        fast_attention.for_batch(model, has_document_boundaries(batch))
         head = chunked_loss.output_head(model)
         with accelerator.autocast():
             with chunked_loss.head_bypassed(head):
