@@ -91,8 +91,11 @@ def legend(driver, chart: str) -> dict[str, str]:
 
 
 def series_labels(driver, chart: str) -> list[str]:
+    """The chart's series labels; empty while the page has not built that chart yet (polled by ``wait``)."""
     return driver.execute_script(
-        "return window.dashboard.hub.charts[arguments[0]].plot.series.slice(1).map(s => s.label);", chart
+        "const c = window.dashboard && window.dashboard.hub.charts[arguments[0]];"
+        "return c && c.plot ? c.plot.series.slice(1).map(s => s.label) : [];",
+        chart,
     )
 
 
