@@ -5,6 +5,7 @@ the overview's hyperparameter columns, and telemetry as CSV."""
 from __future__ import annotations
 
 import math
+from array import array
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,36 @@ def test_series_since_step_returns_only_new_rows(client, log_root: Path):
     assert more["step"] == [LAST_STEP + 1, LAST_STEP + 2] and more["series"]["loss"] == [0.5, 0.4]
     assert more["tokens_seen"] == [512.0 * (LAST_STEP + 1), 512.0 * (LAST_STEP + 2)]  # counted from step 1
     assert get(client, f"/api/series?field=loss&since_step={LAST_STEP + 3}")["step"] == []
+
+
+def test_series_poll_extends_the_kept_tokens_total_without_rereading_earlier_rows(
+    app, client, log_root: Path
+):
+    first = get(client, "/api/series?field=loss")
+    table = app.extensions["dashboard"].registry.get(DEMO).train.table
+    # The spy: rows already summed are zeroed in memory; a poll that re-summed them would count 0 for them.
+    table.columns["tokens"][:] = array("d", [0.0]) * table.rows
+    log = log_root / DEMO / runfolder.LOGS_DIR / runfolder.TRAINING_LOG
+    with open(log, "ab") as handle:
+        handle.write(b"\n")
+    append(log, [train_record(LAST_STEP + 1, 1e9, 0.5), train_record(LAST_STEP + 2, 1e9 + 1, 0.4)])
+    more = get(client, f"/api/series?field=loss&since_step={first['last_step'] + 1}")
+    full = get(create_app(log_root).test_client(), "/api/series?field=loss")  # a fresh server reads it all
+    assert (
+        more["tokens_seen"] == full["tokens_seen"][-2:] == [512.0 * (LAST_STEP + 1), 512.0 * (LAST_STEP + 2)]
+    )
+
+
+def test_tokens_total_follows_a_replayed_step(tmp_path: Path):
+    log = tmp_path / "replay" / runfolder.LOGS_DIR / runfolder.TRAINING_LOG
+    append(log, [train_record(s, 1000.0 + s, 1.0) for s in range(1, 6)])
+    client = create_app(tmp_path).test_client()
+    assert get(client, "/api/series?field=loss")["tokens_seen"] == [512.0 * s for s in range(1, 6)]
+    append(log, [{**train_record(3, 2000.0, 0.9), "tokens": 100}])  # a resume replays step 3
+    assert get(client, "/api/series?field=loss&since_step=4")["tokens_seen"] == [
+        512.0 * 3 + 100,
+        512.0 * 4 + 100,
+    ]
 
 
 def test_series_downsampling_keeps_every_fields_spike(tmp_path: Path):
