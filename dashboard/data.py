@@ -418,15 +418,9 @@ def _device_series(cols, fields: list[str] | None, since_ts: float | None, max_p
 def tokens_seen(run: RunData, start: int = 0) -> np.ndarray | None:
     """Cumulative target tokens per training row from row ``start`` on (the x axis "tokens").
 
-    The rows before ``start`` are only summed (no copy), so a poll for new steps costs the new rows.
+    The running total lives in the run's table between polls, so a poll for new steps costs the new rows.
     """
-    column = run.train.table.columns.get("tokens")
-    if column is None:
-        return None
-    values = np.frombuffer(column, dtype=float)
-    before = float(np.nansum(values[:start])) if start else 0.0
-    new = values[start:]
-    return before + np.cumsum(np.where(np.isfinite(new), new, 0.0))
+    return run.train.table.running_total("tokens", start)
 
 
 def _kept_rows(columns: list[np.ndarray], max_points: int) -> np.ndarray:

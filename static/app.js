@@ -246,6 +246,7 @@ function renderGpu(data) {
       el("p", { class: "small" }, d.name || (isCpu ? "CPU" : "")),
       el("p", { class: "small" }, `${isCpu ? "CPU busy" : "utilisation"} ${num(util, 3)}%`), meter((util || 0) / 100),
       el("p", { class: "small" }, `${isCpu ? "machine RAM in use (all processes)" : "memory"} ${num(used, 4)} / ${num(total, 4)} MiB`), meter(total ? used / total : 0),
+      isCpu && d.proc_rss_mb !== undefined ? el("p", { class: "small" }, `training process RSS ${num(d.proc_rss_mb, 4)} MiB${d.children_rss_mb ? ` + workers ${num(d.children_rss_mb, 4)} MiB` : ""}`) : "",
       el("p", { class: "small" }, [d.temp_c !== undefined ? `${num(d.temp_c, 3)} °C` : "", d.power_w !== undefined ? `${num(d.power_w, 3)} W` : ""].filter(Boolean).join(" · ")),
       el("p", { class: "small muted" }, `sampled ${clock(d.ts)}`));
   });
@@ -347,7 +348,9 @@ const CHART_SPECS = {
   grad_norm: { name: "grad_norm", field: "grad_norm", label: "grad norm", log: "train", smooth: true, csv: ["grad_norm"] },
   memory: { name: "memory", field: "peak_mem_mb", label: "peak MiB", log: "train", smooth: false, csv: ["peak_mem_mb"] },
   gpu_util: { name: "gpu_util", devices: ["util_pct", "cpu_pct"], hideWhenEmpty: true },
-  gpu_memory: { name: "gpu_memory", devices: ["mem_used_mb", "ram_used_mb"], hideWhenEmpty: true },
+  // A CPU run's own memory is its process's RSS; the node's RAM in use (all processes) stays as a second line.
+  gpu_memory: { name: "gpu_memory", devices: ["mem_used_mb", "proc_rss_mb", "ram_used_mb"], hideWhenEmpty: true,
+    labels: { proc_rss_mb: "training process RSS", ram_used_mb: "machine RAM in use (all processes)" } },
 };
 
 function chartFor(name) {
@@ -399,7 +402,7 @@ function drawCharts() {
     let built;
     if (spec.devices) {
       const gpu = state.data[state.run] && state.data[state.run].gpu;
-      built = Charts.buildDevices(gpu, spec.devices, state.data[state.run] && state.data[state.run].started, Charts.PALETTE, state.options.log);
+      built = Charts.buildDevices(gpu, spec.devices, state.data[state.run] && state.data[state.run].started, Charts.PALETTE, state.options.log, spec.labels);
     } else {
       built = Charts.build(spec, runs, state.options);
     }
@@ -459,7 +462,7 @@ async function refreshEval(name) {
 
 async function refreshGpu() {
   const held = state.data[state.run] || (state.data[state.run] = {});
-  held.gpu = await getJSON("/api/gpu", { field: "util_pct,cpu_pct,mem_used_mb,ram_used_mb", max_points: "1000" });
+  held.gpu = await getJSON("/api/gpu", { field: "util_pct,cpu_pct,mem_used_mb,proc_rss_mb,ram_used_mb", max_points: "1000" });
 }
 
 // The expert heatmap stays a matplotlib image (a layer x expert grid, not a series); shown for MoE runs.

@@ -123,17 +123,22 @@ const Charts = (() => {
   }
 
   // Telemetry charts: one series per device, x = seconds since the run started (samples carry no step).
-  function buildDevices(gpu, fields, started, colors, log) {
+  // Device charts: one line per device and listed field that has points; `labels` names a field's line
+  // (the CPU record's "training process RSS" against "machine RAM in use"), unlabelled fields read as the device.
+  function buildDevices(gpu, fields, started, colors, log, labels = {}) {
     const tables = [];
     const series = [];
     const devices = Object.keys((gpu && gpu.series) || {});
-    devices.forEach((device, i) => {
-      const field = fields.find((f) => gpu.series[device][f] && gpu.series[device][f].points.length);
-      if (!field) return;
-      const points = gpu.series[device][field].points;
-      const origin = started ?? points[0][0];
-      tables.push([points.map((p) => p[0] - origin), forLog(points.map((p) => p[1]), log)]);
-      series.push({ label: device, stroke: colors[i % colors.length], width: 2 });
+    devices.forEach((device) => {
+      for (const field of fields) {
+        const column = gpu.series[device][field];
+        if (!column || !column.points.length) continue;
+        const points = column.points;
+        const origin = started ?? points[0][0];
+        tables.push([points.map((p) => p[0] - origin), forLog(points.map((p) => p[1]), log)]);
+        const label = labels[field] ? `${device} ${labels[field]}` : device;
+        series.push({ label, stroke: colors[series.length % colors.length], width: 2 });
+      }
     });
     if (!tables.length) return null;
     return { data: tables.length === 1 ? tables[0] : uPlot.join(tables), series, x: "time" };

@@ -4,7 +4,11 @@ the overview's hyperparameter columns, and telemetry as CSV."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
+import subprocess
+from array import array
 from pathlib import Path
 
 import pytest
@@ -42,6 +46,36 @@ def test_series_since_step_returns_only_new_rows(client, log_root: Path):
     assert more["step"] == [LAST_STEP + 1, LAST_STEP + 2] and more["series"]["loss"] == [0.5, 0.4]
     assert more["tokens_seen"] == [512.0 * (LAST_STEP + 1), 512.0 * (LAST_STEP + 2)]  # counted from step 1
     assert get(client, f"/api/series?field=loss&since_step={LAST_STEP + 3}")["step"] == []
+
+
+def test_series_poll_extends_the_kept_tokens_total_without_rereading_earlier_rows(
+    app, client, log_root: Path
+):
+    first = get(client, "/api/series?field=loss")
+    table = app.extensions["dashboard"].registry.get(DEMO).train.table
+    # The spy: rows already summed are zeroed in memory; a poll that re-summed them would count 0 for them.
+    table.columns["tokens"][:] = array("d", [0.0]) * table.rows
+    log = log_root / DEMO / runfolder.LOGS_DIR / runfolder.TRAINING_LOG
+    with open(log, "ab") as handle:
+        handle.write(b"\n")
+    append(log, [train_record(LAST_STEP + 1, 1e9, 0.5), train_record(LAST_STEP + 2, 1e9 + 1, 0.4)])
+    more = get(client, f"/api/series?field=loss&since_step={first['last_step'] + 1}")
+    full = get(create_app(log_root).test_client(), "/api/series?field=loss")  # a fresh server reads it all
+    assert (
+        more["tokens_seen"] == full["tokens_seen"][-2:] == [512.0 * (LAST_STEP + 1), 512.0 * (LAST_STEP + 2)]
+    )
+
+
+def test_tokens_total_follows_a_replayed_step(tmp_path: Path):
+    log = tmp_path / "replay" / runfolder.LOGS_DIR / runfolder.TRAINING_LOG
+    append(log, [train_record(s, 1000.0 + s, 1.0) for s in range(1, 6)])
+    client = create_app(tmp_path).test_client()
+    assert get(client, "/api/series?field=loss")["tokens_seen"] == [512.0 * s for s in range(1, 6)]
+    append(log, [{**train_record(3, 2000.0, 0.9), "tokens": 100}])  # a resume replays step 3
+    assert get(client, "/api/series?field=loss&since_step=4")["tokens_seen"] == [
+        512.0 * 3 + 100,
+        512.0 * 4 + 100,
+    ]
 
 
 def test_series_downsampling_keeps_every_fields_spike(tmp_path: Path):
@@ -104,3 +138,39 @@ def test_gpu_series_as_csv(client):
     lines = text.splitlines()
     assert lines[0] == "device,field,wall_time,value" and len(lines) == 1 + 2 * 12  # two GPUs, 12 samples
     assert lines[1].startswith("node1/cuda:0,util_pct,") and lines[1].endswith(",50.0")
+
+
+CHARTS_JS = Path(__file__).resolve().parents[2] / "static" / "charts.js"
+NODE_BUILD_DEVICES = """
+globalThis.window = globalThis;
+globalThis.uPlot = { join: (tables) => [tables[0][0], ...tables.map((t) => t[1])] };
+require(process.argv[1]);
+const input = JSON.parse(require("fs").readFileSync(0, "utf8"));
+const built = window.Charts.buildDevices(input.gpu, input.fields, null, window.Charts.PALETTE, false, input.labels);
+console.log(JSON.stringify({ labels: built.series.map((s) => s.label), data: built.data }));
+"""
+
+
+def test_cpu_memory_chart_plots_the_training_process_rss_beside_the_machine_ram(tmp_path: Path):
+    samples = [
+        {"ts": 100.0 + i, "host": "h", "device": "cpu", "cpu_pct": 50.0, "ram_used_mb": 30000.0 + i}
+        | {"ram_total_mb": 64000.0, "proc_rss_mb": 900.0 + 10 * i, "children_rss_mb": 0.0}
+        for i in range(3)
+    ]
+    append(tmp_path / "cpu-run" / runfolder.LOGS_DIR / runfolder.GPU_LOG, samples)
+    app_js = (CHARTS_JS.parent / "app.js").read_text()
+    spec = re.search(
+        r'gpu_memory: \{ name: "gpu_memory", devices: (\[.*?\]).*?labels: (\{.*?\}) \}', app_js, re.S
+    )
+    fields, labels = json.loads(spec[1]), json.loads(re.sub(r"(\w+):", r'"\1":', spec[2]))
+    gpu = get(create_app(tmp_path).test_client(), f"/api/gpu?field={','.join(fields)}&max_points=1000")
+    node = subprocess.run(
+        ["node", "-e", NODE_BUILD_DEVICES, str(CHARTS_JS)],
+        input=json.dumps({"gpu": gpu, "fields": fields, "labels": labels}),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    built = json.loads(node.stdout)
+    assert built["labels"] == ["h/cpu training process RSS", "h/cpu machine RAM in use (all processes)"]
+    assert built["data"][1] == [900.0, 910.0, 920.0] and built["data"][2] == [30000.0, 30001.0, 30002.0]

@@ -81,15 +81,45 @@ def gpu_samples(pynvml, handles) -> list[dict]:
     return samples
 
 
-def cpu_sample() -> dict:
+def process_rss_mb(process: psutil.Process) -> tuple[float | None, float]:
+    """Resident memory (MiB) of ``process`` and the sum over its live children (data-loader workers).
+
+    Why: on a CPU machine ``ram_used_mb`` is the whole node's RAM, other jobs included; the run's own
+    footprint is its process tree. Children that exit while being read are skipped; pages shared
+    between processes are counted once per process (RSS), so the sum can overstate.
+    """
+    try:
+        own = process.memory_info().rss / 2**20
+    except psutil.Error:
+        return None, 0.0
+    children = 0.0
+    try:
+        kids = process.children(recursive=True)
+    except psutil.Error:
+        kids = []
+    for child in kids:
+        try:
+            children += child.memory_info().rss / 2**20
+        except psutil.Error:  # exited or not ours to read
+            continue
+    return round(own, 1), round(children, 1)
+
+
+def cpu_sample(process: psutil.Process | None = None) -> dict:
+    """The node's CPU busy share and RAM, and the training process's own resident memory."""
     memory = psutil.virtual_memory()
-    return {
+    record = {
         "device": "cpu",
         "name": f"{psutil.cpu_count()} CPUs",
         "cpu_pct": psutil.cpu_percent(interval=None),
         "ram_used_mb": round((memory.total - memory.available) / 2**20, 1),
         "ram_total_mb": round(memory.total / 2**20, 1),
     }
+    own, children = process_rss_mb(process or psutil.Process())
+    if own is not None:
+        record["proc_rss_mb"] = own
+        record["children_rss_mb"] = children
+    return record
 
 
 class TelemetrySampler:
@@ -102,10 +132,11 @@ class TelemetrySampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._log = RunLog(output_dir, enabled=enabled)
+        self._process = psutil.Process()  # the training process: the sampler thread runs inside it
 
     def sample_once(self) -> None:
         pynvml, handles = self._nvml
-        for record in [*gpu_samples(pynvml, handles), cpu_sample()]:
+        for record in [*gpu_samples(pynvml, handles), cpu_sample(self._process)]:
             self._log.write(GPU_LOG, {"host": self.host, **record})
 
     def start(self) -> None:

@@ -11,6 +11,8 @@ import math
 from array import array
 from bisect import bisect_left
 
+import numpy as np
+
 NAN = math.nan
 _NUMBER_TYPES = (int, float, bool)
 
@@ -106,6 +108,41 @@ class StepTable(Columns):
     def __init__(self) -> None:
         super().__init__(ignore=("step",))
         self.steps = array("q")
+        # field -> running totals of its finite values, row by row; rows past its length are not summed yet.
+        self._totals: dict[str, array] = {}
+
+    def _invalidate_totals(self, row: int) -> None:
+        """A replayed or out-of-order step changed row ``row``: running totals from there are stale."""
+        for totals in self._totals.values():
+            del totals[row:]
+
+    def overwrite(self, row: int, record: dict) -> None:
+        super().overwrite(row, record)
+        self._invalidate_totals(row)
+
+    def insert(self, row: int, record: dict) -> None:
+        super().insert(row, record)
+        self._invalidate_totals(row)
+
+    def running_total(self, name: str, start: int = 0) -> np.ndarray | None:
+        """Cumulative sum of ``name`` (non-finite values count 0) for the rows from ``start`` on.
+
+        Why: the dashboard's "tokens seen" x axis is a cumulative column, and a live poll asks
+        only for the newest rows. The totals are kept between calls and extended by the rows
+        appended since, so a poll costs the new rows, not the whole log; a replayed step
+        (resume) drops the totals from its row on.
+        """
+        column = self.columns.get(name)
+        if column is None:
+            return None
+        totals = self._totals.setdefault(name, array("d"))
+        done = len(totals)
+        if done < self.rows:
+            new = np.frombuffer(column, dtype=float)[done:]
+            base = totals[-1] if done else 0.0
+            totals.frombytes((base + np.cumsum(np.where(np.isfinite(new), new, 0.0))).tobytes())
+            del new
+        return np.frombuffer(totals, dtype=float)[start:].copy()
 
     def add(self, record: dict) -> bool:
         step = record.get("step")
@@ -155,3 +192,4 @@ class StepTable(Columns):
     def clear(self) -> None:
         super().clear()
         self.steps = array("q")
+        self._totals = {}

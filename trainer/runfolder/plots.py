@@ -287,7 +287,9 @@ def figure(name: str, run: RunData, options: PlotOptions, compare: RunData | Non
     if name == "gpu_util":
         return plot_gpu(run, options, ("util_pct", "cpu_pct"), "utilisation", "%")
     if name == "gpu_memory":
-        return plot_gpu(run, options, ("mem_used_mb", "ram_used_mb"), "device memory used", "MiB")
+        return plot_gpu(
+            run, options, ("mem_used_mb", "proc_rss_mb", "ram_used_mb"), "device memory used", "MiB"
+        )
     if name == "experts":
         return plot_experts(run, options)
     raise KeyError(name)
