@@ -420,7 +420,8 @@ def tokens_seen(run: RunData, start: int = 0) -> np.ndarray | None:
 
     The running total lives in the run's table between polls, so a poll for new steps costs the new rows.
     """
-    return run.train.table.running_total("tokens", start)
+    totals = run.train.table.running_total("tokens", start)
+    return None if totals is None else np.frombuffer(totals, dtype=float)
 
 
 def _kept_rows(columns: list[np.ndarray], max_points: int) -> np.ndarray:

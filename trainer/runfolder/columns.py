@@ -11,8 +11,6 @@ import math
 from array import array
 from bisect import bisect_left
 
-import numpy as np
-
 NAN = math.nan
 _NUMBER_TYPES = (int, float, bool)
 
@@ -124,7 +122,7 @@ class StepTable(Columns):
         super().insert(row, record)
         self._invalidate_totals(row)
 
-    def running_total(self, name: str, start: int = 0) -> np.ndarray | None:
+    def running_total(self, name: str, start: int = 0) -> array | None:
         """Cumulative sum of ``name`` (non-finite values count 0) for the rows from ``start`` on.
 
         Why: the dashboard's "tokens seen" x axis is a cumulative column, and a live poll asks
@@ -138,11 +136,12 @@ class StepTable(Columns):
         totals = self._totals.setdefault(name, array("d"))
         done = len(totals)
         if done < self.rows:
-            new = np.frombuffer(column, dtype=float)[done:]
             base = totals[-1] if done else 0.0
-            totals.frombytes((base + np.cumsum(np.where(np.isfinite(new), new, 0.0))).tobytes())
-            del new
-        return np.frombuffer(totals, dtype=float)[start:].copy()
+            for value in column[done : self.rows]:
+                if math.isfinite(value):
+                    base += value
+                totals.append(base)
+        return totals[start:]
 
     def add(self, record: dict) -> bool:
         step = record.get("step")
