@@ -130,7 +130,7 @@ def test_sweep_on_slurm_survives_preemption_and_time_limit(cluster, tmp_path):
     assert sorted(reference) == list(range(1, 61))
     for run in (stopped, steady):
         info = json.loads((run / "run.json").read_text())
-        assert info["status"] == "finished" and info["step"] == 60, _log(run)
+        assert info["status"] == "finished" and info["step"] == 60, _log(run) + cluster.logs(40)
         assert [e["status"] for e in events(run, "run_end")].count("finished") == 1
         assert len(list(run.glob("final-checkpoint-*"))) == 1
         assert info["slurm"]["array_job_id"] == array_id
