@@ -77,12 +77,14 @@ def steps_done(run: Path) -> int:
 
 
 def requeued_now(cluster: Cluster, task: str, array_id: str) -> None:
-    """Wait until the task is back in the queue, then lift SLURM's requeue delay (BeginTime, ~2 min)."""
+    """Wait until the task is back in the queue, then shorten SLURM's requeue delay (BeginTime, ~2 min) to 5 s."""
     assert wait_for(lambda: (queue(cluster, array_id) or {}).get(task, ("",))[0] == "PENDING", timeout=90), (
         queue(cluster, array_id),
         cluster.logs(),
     )
-    cluster.run("scontrol", "update", f"JobId={task}", "StartTime=now")
+    # Not "now": a task that requeued itself may be allocated again within milliseconds, while its previous
+    # instance is still being cleaned up on the node, and slurmctld then kills it ("Job credential revoked").
+    cluster.run("scontrol", "update", f"JobId={task}", "StartTime=now+5")
 
 
 def test_sweep_on_slurm_survives_preemption_and_time_limit(cluster, tmp_path):
