@@ -210,14 +210,19 @@ def _points(ts, steps, values: np.ndarray, max_points: int, offset: int = 0) -> 
     return points, len(values) - len(keep)
 
 
-def _train_series(run: RunData, fields: list[str], since_step: int, max_points: int) -> dict:
-    table = run.train.table
-    unknown = [f for f in fields if f not in table.columns and f not in TRAIN_FIELDS]
+def check_train_fields(run: RunData, fields: list[str]) -> None:
+    """A field the training log has never had is a 400 naming the fields it has."""
+    unknown = [f for f in fields if f not in run.train.table.columns and f not in TRAIN_FIELDS]
     if unknown:
         raise DashboardError(
             400,
             f"unknown field(s) {', '.join(unknown)} in the training log; fields: {', '.join(available_fields(run))}",
         )
+
+
+def _train_series(run: RunData, fields: list[str], since_step: int, max_points: int) -> dict:
+    table = run.train.table
+    check_train_fields(run, fields)
     start = table.index_from(since_step)
     ts = table.columns.get("ts")
     series = {}
@@ -444,12 +449,7 @@ def series(run: RunData, fields: list[str], log: str, since_step: int, max_point
     with run.lock:
         if log == "train":
             table = run.train.table
-            unknown = [f for f in fields if f not in table.columns and f not in TRAIN_FIELDS]
-            if unknown:
-                raise DashboardError(
-                    400,
-                    f"unknown field(s) {', '.join(unknown)} in the training log; fields: {', '.join(available_fields(run))}",
-                )
+            check_train_fields(run, fields)
             start = table.index_from(since_step)
             steps = np.frombuffer(table.steps, dtype=np.int64)[start:]
             ts = table.columns.get("ts")
