@@ -65,6 +65,40 @@ def make_cfg(args, out: Path):
     return load_config(path)
 
 
+def host_probe() -> dict:
+    """How fast this process issues tiny ops right now, and what shares its CPU: a slow host shows here."""
+    import os
+    import threading
+
+    x = torch.empty(8)
+    started = time.perf_counter()
+    for _ in range(20000):
+        x.view(-1)
+    view_us = (time.perf_counter() - started) / 20000 * 1e6
+    started = time.perf_counter()
+    total = 0
+    for i in range(200000):
+        total += i
+    py_ns = (time.perf_counter() - started) / 200000 * 1e9
+    return {
+        "view_us": round(view_us, 3),
+        "py_add_ns": round(py_ns, 1),
+        "affinity": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "load": os.getloadavg(),
+    }
+
+
+def pick_sdpa_backend(name: str) -> None:
+    """Lever test: which of torch's sdpa backends serve the model (torch's default order puts cuDNN first on Hopper)."""
+    if name == "flash":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    elif name == "efficient":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(False)
+
+
 class Accel:
     def __init__(self, device):
         self.device = device
@@ -110,6 +144,7 @@ def time_and_profile(args, out):
         step(model, opt, batch_of(args, i), accel)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    probe = host_probe()
     times, losses = [], []
     for i in range(args.steps):
         b = batch_of(args, 100 + i)
@@ -122,12 +157,13 @@ def time_and_profile(args, out):
     med = sorted(times)[len(times) // 2]
     row = {
         "name": f"{args.method}{'+gc' if args.gc else ''} fast={args.fast} norm={args.norm} attn={args.attn}"
-        f"{' no-qkv-group' if args.no_group else ''}",
+        f"{' no-qkv-group' if args.no_group else ''} sdpa={args.sdpa}",
         "step_s": round(med, 4),
         "tokens_per_sec": round(args.batch * args.seq / med),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "fast_path": report.get("fast_path"),
         "losses": [round(x, 4) for x in losses],
+        "host": probe,
     }
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -165,7 +201,13 @@ def time_and_profile(args, out):
             for e in sorted(cpu_ops, key=lambda e: -e.self_cpu_time_total)[:15]
         }
         if args.trace:
-            prof.export_chrome_trace(str(out / f"trace-{args.method}-{args.fast}.json"))
+            import gzip
+            import shutil
+
+            raw = out / f"trace-{args.method}-{args.fast}.json"
+            prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
     del model, opt
     torch.cuda.empty_cache()
     return row
@@ -306,13 +348,15 @@ def main():
     p.add_argument("--attn", default=None, help="model.attn_implementation (default: the kit's choice)")
     p.add_argument("--no-group", action="store_true", help="Q/K/V as three nodes (the lever's before)")
     p.add_argument("--save-model", action="store_true")
+    p.add_argument("--sdpa", choices=["default", "flash", "efficient"], default="default")
     p.add_argument(
-        "--norm", choices=["liger", "torch"], default="liger", help="RMSNorm kernel on the fast path"
+        "--norm", choices=["liger", "torch"], default="torch", help="RMSNorm kernel on the fast path"
     )
     args = p.parse_args()
     out = Path(args.out)
     started = time.time()
-    if args.norm != "liger":
+    pick_sdpa_backend(args.sdpa)
+    if args.norm != "torch":
         import functools
 
         from trainer import fastpath

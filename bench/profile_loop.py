@@ -31,6 +31,18 @@ def main() -> int:
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--out", default="/tmp/profile-loop")
     parser.add_argument(
+        "--unwrap-forward",
+        action="store_true",
+        help="drop accelerate's autocast/fp32 forward wrapper (lever test)",
+    )
+    parser.add_argument(
+        "--trace", action="store_true", help="also write the profile window as a gzipped Chrome trace"
+    )
+    parser.add_argument("--sdpa", choices=["default", "flash", "efficient"], default="default")
+    parser.add_argument(
+        "--gc-freeze", action="store_true", help="gc.freeze() before the first step (lever test)"
+    )
+    parser.add_argument(
         "--set", action="append", default=[], help="section.key=value overrides (YAML values)"
     )
     args = parser.parse_args()
@@ -40,6 +52,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from bench.bench_core_gpu import ALL_LINEAR, trainer_config
+    from bench.profile_fast_path import host_probe, pick_sdpa_backend
     from trainer.cli import main as trainer_main
     from trainer.training import oom_retry
 
@@ -54,6 +67,17 @@ def main() -> int:
     original = oom_retry.OomFallback.run
 
     def probed(self, done, shape, attempt, save_before_failing):
+        if not entries:
+            model = attempt.func.model
+            if args.unwrap_forward and hasattr(model, "_original_forward"):
+                model.forward = model._original_forward
+            if args.gc_freeze:
+                import gc
+
+                gc.collect()
+                gc.freeze()
+        if done + 1 == args.profile_from - 1:
+            prof_box["host"] = host_probe()
         entries.append(time.perf_counter())
         if done + 1 == args.profile_from:
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
@@ -66,9 +90,18 @@ def main() -> int:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             prof_box["prof"].__exit__(None, None, None)
+            if args.trace:
+                import gzip
+                import shutil
+
+                raw = out.parent / f"{out.name}-trace.json"
+                prof_box["prof"].export_chrome_trace(str(raw))
+                with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
         return result
 
     oom_retry.OomFallback.run = probed
+    pick_sdpa_backend(args.sdpa)
     code = trainer_main(["train", "--config", str(config)])
     iterations = [b - a for a, b in zip(entries, entries[1:])][4:]
     if code != 0 or not iterations:
@@ -79,6 +112,7 @@ def main() -> int:
         "iteration_s_median": round(statistics.median(iterations), 4),
         "inside_step_s_median": round(statistics.median(inside[4:]), 4),
     }
+    row["host"] = prof_box.get("host")
     prof = prof_box.get("prof")
     if prof is not None:
         n = args.profile_steps

@@ -210,6 +210,10 @@ def test_torch_rms_norm_matches_the_models_own():
     reference = model(ids).logits
     assert use_torch_rms_norm(model) == 2 * 2 + 1
     assert rel_err(model(ids).logits, reference) < 1e-5
+    # A bf16 input on an fp32 weight (F.rms_norm's fused kernel wants one dtype) keeps the model's own maths.
+    norm = model.model.norm
+    hidden = torch.randn(2, 16, norm.weight.shape[0]).to(torch.bfloat16)
+    assert torch.equal(norm(hidden), type(norm).forward(norm, hidden))
 
 
 def test_fused_loss_runs_in_the_heads_dtype_whatever_accelerate_hands_back(monkeypatch):

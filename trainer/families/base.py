@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 class ModelLoadError(RuntimeError):
     """A model or tokenizer could not be loaded; the message names the missing file or setting."""
@@ -34,9 +36,21 @@ def causal_inputs(batch: dict) -> dict:
     real token, and each pad token (position 0) becomes a one-token document of its own. An unpacked
     padded batch keeps its mask (a MoE router's aux loss uses it to leave padding out)."""
     keys = ("input_ids", "position_ids", "attention_mask")
-    if "attention_mask" in batch and has_document_boundaries(batch):
+    packed = has_document_boundaries(batch)
+    if "attention_mask" in batch and packed:
         keys = ("input_ids", "position_ids")
+    elif not packed and counts_from_zero(batch.get("position_ids")):
+        # transformers' own default positions: passing them would only make it look for packed documents
+        # on the GPU (a host sync per forward) to find none.
+        keys = ("input_ids", "attention_mask")
     return {k: batch[k] for k in keys if k in batch}
+
+
+def counts_from_zero(positions) -> bool:
+    """True when every row's ``position_ids`` are 0, 1, 2, ... (what a model assumes when given none)."""
+    if positions is None:
+        return False
+    return bool((positions == torch.arange(positions.shape[-1], device=positions.device)).all())
 
 
 def _nothing(*args) -> None:

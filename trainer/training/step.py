@@ -94,6 +94,12 @@ def count_targets(batch: dict) -> int:
 # ---------------------------------------------------------------- the loss of one micro-batch
 
 
+def to_device(inputs: dict, device: torch.device) -> dict:
+    """The batch's tensors on ``device`` without waiting for the GPU: a blocking copy would stall the host until
+    the previous step's optimizer kernels finish, time it could spend launching this step's forward."""
+    return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+
+
 class LossFn(Protocol):
     def __call__(self, model, batch: dict, accelerator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Summed next-token cross-entropy of one micro-batch, and the router aux loss (None without one).
@@ -108,7 +114,7 @@ class FullCrossEntropy:
     model_inputs: Callable[[dict], dict]  # the family's: a collated batch -> the forward's keyword arguments
 
     def __call__(self, model, batch: dict, accelerator):
-        inputs = {k: v.to(accelerator.device) for k, v in self.model_inputs(batch).items()}
+        inputs = to_device(self.model_inputs(batch), accelerator.device)
         with accelerator.autocast():
             out = model(**inputs, use_cache=False)
         # A family may flatten packed rows into one (GLA's varlen cu_seqlens): back to the batch's shape.
@@ -132,7 +138,7 @@ class HeadLoss:
     )
 
     def __call__(self, model, batch: dict, accelerator):
-        inputs = {k: v.to(accelerator.device) for k, v in self.model_inputs(batch).items()}
+        inputs = to_device(self.model_inputs(batch), accelerator.device)
         head = chunked_loss.output_head(model)
         with accelerator.autocast():
             with chunked_loss.head_bypassed(head):
@@ -199,6 +205,7 @@ class StepResult:
     """What one step's forward and backward passes leave for the update and the log."""
 
     targets: torch.Tensor  # target tokens of the whole step, all ranks: the loss's denominator
+    target_count: int  # the same number on the host (logged without a GPU sync in one-process runs)
     loss_sum: torch.Tensor  # this rank's summed cross-entropy
     aux_total: torch.Tensor  # this rank's router aux loss, averaged over micro-batches
     has_aux: bool  # the model returns a router aux loss
@@ -228,8 +235,10 @@ class Step:
         """Gradients of the step's loss, normalised by all of its target tokens."""
         accelerator = self.accelerator
         world = accelerator.num_processes
-        local_targets = torch.tensor(float(sum(count_targets(b) for b in batches)), device=accelerator.device)
+        local_count = sum(count_targets(b) for b in batches)
+        local_targets = torch.tensor(float(local_count), device=accelerator.device)
         global_targets = accelerator.reduce(local_targets, "sum").clamp(min=1.0)
+        target_count = local_count if world == 1 else int(global_targets)
         ce_total = torch.zeros((), device=accelerator.device)
         aux_total = torch.zeros((), device=accelerator.device)
         input_tokens = sum(int(b["token_mask"].sum()) for b in batches)
@@ -247,4 +256,4 @@ class Step:
                     aux_total += aux.detach() / len(batches)
                 accelerator.backward(loss)
             ce_total += ce_sum.detach()
-        return StepResult(global_targets, ce_total, aux_total, aux is not None, input_tokens)
+        return StepResult(global_targets, target_count, ce_total, aux_total, aux is not None, input_tokens)

@@ -65,9 +65,9 @@ class StepLog:
         accelerator, step, total, loss = self.accelerator, state.step, self.total_steps, state.final_loss
         ema = self.step_time_ema
         self.step_time_ema = seconds if ema is None else 0.9 * ema + 0.1 * seconds
-        tokens_all = int(
-            accelerator.reduce(torch.tensor(result.input_tokens, device=accelerator.device), "sum")
-        )
+        tokens_all = result.input_tokens
+        if accelerator.num_processes > 1:
+            tokens_all = int(accelerator.reduce(torch.tensor(tokens_all, device=accelerator.device), "sum"))
         if step % self.cfg.logging.interval == 0 or step == total:
             record = {
                 "step": step,
@@ -76,7 +76,7 @@ class StepLog:
                 "loss": loss,
                 "lr": lr,
                 "grad_norm": grad_norm,
-                "tokens": int(result.targets),
+                "tokens": result.target_count,
                 "tokens_per_sec": round(tokens_all / seconds, 1),
                 "steps_per_sec": round(1 / seconds, 4),
                 "eta_seconds": round(self.step_time_ema * (total - step), 1),
