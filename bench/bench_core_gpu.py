@@ -2,8 +2,8 @@
 
 Rows per model shape and setting (LoRA + activation checkpointing, QLoRA NF4 + checkpointing, LoRA without):
 this kit (``python -m trainer train``: the CUDA fast path, and with ``ref`` the reference path), transformers'
-Trainer + PEFT (``hf``), the same with Liger's kernels (``liger``), and Unsloth (``unsloth``, Llama shape only,
-through ``../shared/anchors/unsloth_bench.py`` given as ``--anchors``). Random-init weights saved once in bf16,
+Trainer + PEFT (``hf``), the same with Liger's kernels (``liger``), and Unsloth (``unsloth``, through
+``../shared/anchors/unsloth_bench.py`` given as ``--anchors``: its own Llama-1B, or our Qwen3 folder). Random-init weights saved once in bf16,
 micro-batch 4 x 2048 tokens, LoRA r16 alpha 32 on all seven linear layers, bf16, median tokens/s after 5
 warm-up steps. The kit and Trainer rows train the shipped corpus packed into 2048-token rows; Unsloth's
 script feeds random tokens of the same shape (throughput does not depend on token values).
@@ -217,9 +217,13 @@ def run_hf(model: Path, steps: int, quantize: bool, checkpointing: bool, liger: 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run_unsloth(anchors: Path, steps: int) -> dict[str, dict]:
-    """Unsloth's three settings through the shared anchor script (each in its own process there)."""
+def run_unsloth(anchors: Path, steps: int, model: Path | None = None) -> dict[str, dict]:
+    """Unsloth's three settings through the shared anchor script (each in its own process there).
+
+    ``model``: a model folder other than the anchor's own Llama-1B (the Qwen3 row), as its MODEL_DIR."""
     env = {**os.environ, "STEPS": str(steps)}
+    if model is not None:
+        env["MODEL_DIR"] = str(model)
     try:
         result = subprocess.run(
             [sys.executable, "unsloth_bench.py"],
@@ -267,8 +271,8 @@ def measure(root: Path, shape: str, impls: set[str], steps: int, anchors: Path |
             if impl in impls:
                 cell[impl] = run_hf(model, steps, method == "qlora", gc, liger)
         rows.append(cell)
-    if "unsloth" in impls and anchors is not None and shape == "llama":
-        unsloth = run_unsloth(anchors, steps)
+    if "unsloth" in impls and anchors is not None:
+        unsloth = run_unsloth(anchors, steps, None if shape == "llama" else model)
         for cell in rows:
             cell["unsloth"] = unsloth.get(cell["setting"], {"error": "no result"})
     return rows
