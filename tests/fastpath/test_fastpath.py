@@ -196,6 +196,40 @@ def test_lora_weights_are_cast_once_until_the_optimizer_changes_them():
     assert cast(param, torch.float32) is param
 
 
+def test_cast_cache_sees_updates_that_leave_the_version_alone():
+    """A fused AdamW (the CUDA default) writes parameters without bumping their version counters: the cache
+    must learn of the step from the optimizer itself, and refreshes every stale copy at once."""
+    from trainer.fastpath.lora_ops import cast, track_updates
+
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
+    before = [cast(p, torch.bfloat16) for p in params]
+    optimizer = torch.optim.AdamW(params, lr=0.5, fused=True)
+    track_updates(optimizer)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    versions = [p._version for p in params]
+    optimizer.step()
+    assert [p._version for p in params] == versions  # the case the version alone would miss
+    first = cast(params[0], torch.bfloat16)
+    refreshed = [p._kit_cast[3] for p in params]  # all three refreshed by the first call
+    for p, old, new in zip(params, before, refreshed):
+        assert torch.equal(new, p.detach().to(torch.bfloat16)) and not torch.equal(new, old)
+    assert first is refreshed[0] and cast(params[2], torch.bfloat16) is refreshed[2]
+
+
+def test_make_optimizer_tells_the_cast_cache_of_each_step(write_config):
+    from trainer.fastpath import lora_ops
+    from trainer.training.optim import make_optimizer
+
+    cfg = load_config(write_config({"model": {"name_or_path": str(REPO / "configs" / "tiny-llama")}}))
+    model = torch.nn.Linear(3, 4)
+    optimizer = make_optimizer(model, cfg, on_cuda=False)
+    generation = lora_ops._generation
+    model.weight.grad, model.bias.grad = torch.ones(4, 3), torch.ones(4)
+    optimizer.step()
+    assert lora_ops._generation == generation + 1
+
+
 def test_torch_rms_norm_matches_the_models_own():
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -222,7 +256,7 @@ def test_fused_loss_runs_in_the_heads_dtype_whatever_accelerate_hands_back(monke
 
     seen = {}
 
-    def fake_flce(hidden, weight, labels, ignore_index, reduction):
+    def fake_flce(hidden, weight, labels, ignore_index, reduction, chunk_mem_const):
         seen.update(hidden=hidden.dtype, weight=weight.dtype, n=labels.numel(), reduction=reduction)
         return fastpath.reference_cross_entropy(
             torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False), hidden[None].float(), labels[None]

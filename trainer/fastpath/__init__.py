@@ -207,7 +207,24 @@ def fused_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, labels: tor
     device = hidden.device
     hidden = hidden.index_select(0, index.to(device, non_blocking=True)).to(dtype)
     labels = labels[index].to(device, non_blocking=True)
-    return _liger_flce()(hidden, head.weight, labels, ignore_index=IGNORE, reduction="sum")
+    return _liger_flce()(
+        hidden,
+        head.weight,
+        labels,
+        ignore_index=IGNORE,
+        reduction="sum",
+        chunk_mem_const=logit_chunk_budget(hidden),
+    )
+
+
+def logit_chunk_budget(hidden: torch.Tensor) -> int:
+    """Liger's ``chunk_mem_const``: the transient logits of one chunk may hold this many times tokens x hidden.
+
+    Liger's default (1) sizes chunks by the hidden size, so a narrow model gets tiny chunks: Qwen3-0.6B
+    (hidden 1024, vocabulary 152k) ran 128 chunks of 64 tokens per micro-batch, each a few host-bound
+    launches. Sizing by ~4096 x tokens instead gives 256-token chunks for both Qwen3-0.6B and Llama-1B
+    (transient logits ~70 MB in bf16)."""
+    return max(1, 4096 // hidden.shape[-1])
 
 
 def reference_cross_entropy(head, hidden, labels) -> torch.Tensor:

@@ -18,6 +18,8 @@ the tests check them against PEFT's own forward and autograd in fp32.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -82,20 +84,59 @@ def _dequant_buffer(shape: tuple, dtype: torch.dtype, device: torch.device) -> t
     return buffer
 
 
+_generation = 0  # bumped after every optimizer step (see track_updates)
+_cast_sources: list = []  # weak references to every parameter cast so far
+
+
+def weights_updated(*_) -> None:
+    """Every cached cast is stale: an optimizer stepped. Fused and bitsandbytes optimizers update parameters
+    in place without bumping their version counters, so the version alone cannot tell."""
+    global _generation
+    _generation += 1
+
+
+def track_updates(optimizer) -> None:
+    """Mark the cast cache stale after each ``optimizer.step()`` (a post-step hook, also through accelerate)."""
+    optimizer.register_step_post_hook(weights_updated)
+
+
+def _fresh(param: torch.Tensor, dtype: torch.dtype) -> bool:
+    cached = getattr(param, "_kit_cast", None)
+    return cached is not None and cached[:3] == (_generation, param._version, dtype)
+
+
 def cast(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``param`` in ``dtype``, cast once per optimizer step: the copy is kept until the parameter changes.
 
     fp32 LoRA weights would otherwise be cast at every forward, recompute and backward (six small kernels
-    per projection per step, which is what bounds a step when the GPU work is already short).
-    """
+    per projection per step). When one cached copy is found stale, every stale one of the same dtype and
+    device is refreshed at once with one multi-tensor copy: after an optimizer step all of them are, and
+    hundreds of single casts (a small model has ~400 LoRA tensors) cost more host time than GPU time.
+    Fresh tensors each time (never written in place), so a copy saved for a backward is never changed."""
     if param.dtype == dtype:
         return param
-    cached = getattr(param, "_kit_cast", None)
-    if cached is not None and cached[0] == param._version and cached[1] == dtype:
-        return cached[2]
-    copy = param.detach().to(dtype)
-    param._kit_cast = (param._version, dtype, copy)
-    return copy
+    if _fresh(param, dtype):
+        return param._kit_cast[3]
+    if getattr(param, "_kit_cast", None) is None:
+        _cast_sources.append(weakref.ref(param))
+    stale, alive = [param], []
+    for ref in _cast_sources:
+        other = ref()
+        if other is None:
+            continue
+        alive.append(ref)
+        if (
+            other is not param and other.dtype == param.dtype and other.device == param.device
+            and getattr(other, "_kit_cast", (None,) * 3)[2] == dtype and not _fresh(other, dtype)
+        ):  # fmt: skip
+            stale.append(other)
+    _cast_sources[:] = alive
+    copies = [torch.empty_like(t, dtype=dtype) for t in stale]
+    with torch.no_grad():
+        torch._foreach_copy_(copies, [t.detach() for t in stale])
+    for t, copy in zip(stale, copies):
+        t._kit_cast = (_generation, t._version, dtype, copy)
+    return copies[0]
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -112,21 +153,21 @@ def _forward(x2: torch.Tensor, base: BaseWeight, a: torch.Tensor, b: torch.Tenso
     if base.bias is not None:
         y = torch.addmm(base.bias.to(x2.dtype), x2, w.t())
     else:
-        y = x2 @ w.t()
-    xa = x2 @ a.t()
+        y = torch.mm(x2, w.t())
+    xa = torch.mm(x2, a.t())
     y.addmm_(xa, b.t(), alpha=scale)
     return y, xa
 
 
 def _backward(dy: torch.Tensor, x2, xa, base: BaseWeight, a, b, scale: float, need_dx: bool):
     """Gradients of one LoRA projection: dx (or None), dA, dB, all in the compute dtype."""
-    dyb = (dy @ b).mul_(scale)  # N x r
-    grad_a = dyb.t() @ x2
-    grad_b = dy.t() @ (xa * scale)
+    dyb = torch.mm(dy, b).mul_(scale)  # N x r
+    grad_a = torch.mm(dyb.t(), x2)
+    grad_b = torch.mm(dy.t(), xa * scale)
     grad_x = None
     if need_dx:
         w = base.materialize(dy.dtype)
-        grad_x = dy @ w
+        grad_x = torch.mm(dy, w)
         grad_x.addmm_(dyb, a)
     return grad_x, grad_a, grad_b
 
@@ -167,11 +208,11 @@ def _group_forward(x2: torch.Tensor, bases, a_list, b_list, scales):
     """Several LoRA projections of one input: one GEMM for all the A products (their weights stacked),
     then each base GEMM with its B product folded in. Returns the outputs and x A^T (N x sum of ranks)."""
     a_all = torch.cat(a_list) if len(a_list) > 1 else a_list[0]
-    xa = x2 @ a_all.t()
+    xa = torch.mm(x2, a_all.t())
     outs, start = [], 0
     for base, b, scale in zip(bases, b_list, scales):
         w = base.materialize(x2.dtype)
-        y = x2 @ w.t() if base.bias is None else torch.addmm(base.bias.to(x2.dtype), x2, w.t())
+        y = torch.mm(x2, w.t()) if base.bias is None else torch.addmm(base.bias.to(x2.dtype), x2, w.t())
         rank = b.shape[1]
         y.addmm_(xa[:, start : start + rank], b.t(), alpha=scale)
         outs.append(y)
@@ -181,18 +222,20 @@ def _group_forward(x2: torch.Tensor, bases, a_list, b_list, scales):
 
 def _group_backward(dys, x2, xa, a_all, bases, b_list, scales, need_dx: bool):
     """dx (or None) and each projection's (dA, dB); the A gradients and dx's LoRA term in one GEMM each."""
-    dyb = torch.cat([(dy @ b).mul_(scale) for dy, b, scale in zip(dys, b_list, scales)], dim=1)
-    grad_a_all = dyb.t() @ x2
+    dyb = torch.cat([torch.mm(dy, b).mul_(scale) for dy, b, scale in zip(dys, b_list, scales)], dim=1)
+    grad_a_all = torch.mm(dyb.t(), x2)
     grads, start = [], 0
     for dy, b, scale in zip(dys, b_list, scales):
         rank = b.shape[1]
-        grads.append((grad_a_all[start : start + rank], dy.t() @ (xa[:, start : start + rank] * scale)))
+        grads.append(
+            (grad_a_all[start : start + rank], torch.mm(dy.t(), xa[:, start : start + rank] * scale))
+        )
         start += rank
     grad_x = None
     if need_dx:
         for dy, base in zip(dys, bases):
             w = base.materialize(dy.dtype)
-            grad_x = dy @ w if grad_x is None else grad_x.addmm_(dy, w)
+            grad_x = torch.mm(dy, w) if grad_x is None else grad_x.addmm_(dy, w)
         grad_x.addmm_(dyb, a_all)
     return grad_x, grads
 

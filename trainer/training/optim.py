@@ -7,6 +7,7 @@ import math
 import torch
 
 from trainer.config import Config
+from trainer.fastpath.lora_ops import track_updates
 
 
 def make_optimizer(model, cfg: Config, on_cuda: bool):
@@ -21,17 +22,27 @@ def make_optimizer(model, cfg: Config, on_cuda: bool):
     no_decay = [p for p in params if p.dim() < 2 or getattr(p, "_no_weight_decay", False)]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {"lr": o.learning_rate, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_epsilon}
-    if o.optimizer == "adamw":
-        return torch.optim.AdamW(groups, **kwargs)
+    fused = on_cuda and all(p.is_cuda for p in params)
+    optimizer = _build(groups, kwargs, o.optimizer, on_cuda, fused)
+    track_updates(optimizer)  # the fast path's cast cache learns of every update, whatever optimizer made it
+    return optimizer
+
+
+def _build(groups: list, kwargs: dict, name: str, on_cuda: bool, fused: bool):
+    if name == "adamw":
+        # On CUDA one fused kernel updates every tensor (what transformers' Trainer defaults to): the
+        # multi-tensor path reads each parameter's step count on the host, hundreds of calls per step for
+        # LoRA's many small tensors. CPU keeps the multi-tensor path the CPU tests compare with Trainer on.
+        return torch.optim.AdamW(groups, **kwargs, fused=True if fused else None)
     if not on_cuda:
-        raise RuntimeError(f"optimization.optimizer: {o.optimizer} needs a CUDA GPU; use adamw on CPU")
+        raise RuntimeError(f"optimization.optimizer: {name} needs a CUDA GPU; use adamw on CPU")
     import bitsandbytes as bnb
 
     cls = {
         "adamw_8bit": bnb.optim.AdamW8bit,
         "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
         "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
-    }[o.optimizer]
+    }[name]
     return cls(groups, **kwargs)
 
 
