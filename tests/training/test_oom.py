@@ -102,3 +102,49 @@ def test_shrink_and_split_units():
     pieces = split_rows([row], 4)
     assert [p.input_ids for p in pieces] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert sum(len(p.labels) for p in pieces) == 10
+
+
+def launch_two_ranks(config, inject: str = "") -> subprocess.CompletedProcess:
+    """Two processes on CPUs (gloo) under ``accelerate launch``, with faults injected per rank."""
+    import socket
+    import sys
+
+    from tests.helpers import REPO, trainer_env
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**trainer_env(), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no",
+           "-m", "tests.faulty_trainer", "--oom", inject, "train", "--config", str(config)]  # fmt: skip
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_oom_on_one_rank_makes_every_rank_shrink_and_replay_the_step(write_config, tmp_path):
+    """Rank 1 runs out of memory at step 2: both ranks agree in one collective, redo step 2 on the same rows
+    in the smaller shape and go on; losses equal a run whose gradients DDP itself averaged."""
+    shape = {"micro_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": 4, "save_steps": 2}
+    extra = {"lora": {"dropout": 0.0}, "training": shape, "eval": {"interval": 100, "at_end": False}}
+    injected = write_config(extra, "a.yaml", "a")
+    reference = write_config({**extra, "memory": {"oom_fallback": False}}, "b.yaml", "b")
+    result = launch_two_ranks(injected, "train:2@1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    plain = launch_two_ranks(reference)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(a) == [1, 2, 3, 4]
+    for step in a:  # the manual gradient average equals DDP's, and the replayed step the same rows' loss
+        assert a[step] == pytest.approx(b[step], abs=1e-5)
+    fallback = events(tmp_path / "a", "oom_fallback")
+    assert [(e["step"], e["new"]) for e in fallback] == [(2, {"micro": 2, "accum": 2, "split_length": None})]
+    assert json.loads((tmp_path / "a" / "run.json").read_text())["world_size"] == 2
+
+
+@pytest.mark.slow
+def test_oom_on_one_rank_without_the_fallback_fails_every_rank_with_the_message(write_config, tmp_path):
+    extra = {"lora": {"dropout": 0.0}, "training": {"max_steps": 3}, "memory": {"max_oom_retries": 0}}
+    result = launch_two_ranks(write_config(extra), "train:2@0")
+    assert result.returncode != 0
+    assert "out of memory on one of the ranks at step 2" in result.stderr

@@ -138,12 +138,13 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
     counter = ExpertCounter(accelerator.unwrap_model(model))
     loss = faults.loss(kernels.loss)
     aux_coef = float(getattr(accelerator.unwrap_model(model).config, "router_aux_loss_coef", 0.0) or 0.0)
-    step = Step(model, accelerator, loss, counter, aux_coef, data.train, pad_id)
+    coordinated_oom = world > 1 and cfg.memory.oom_fallback  # gradients synced after the ranks agree
+    step = Step(model, accelerator, loss, counter, aux_coef, data.train, pad_id, coordinated_oom)
     evaluator = Evaluator(
         model, tokenizer, data.val, task, task_examples, cfg, accelerator, pad_id, loss, counter, log, faults
     )
     checkpointer = Checkpointer(accelerator, model, tokenizer, cfg, output_dir, log, faults)
-    oom = OomFallback(cfg, log, optimizer, world, is_main, faults)
+    oom = OomFallback(cfg, log, optimizer, world, is_main, faults, model if coordinated_oom else None)
     if resume_from is not None:
         restore(resume_from, accelerator, model, state)
 

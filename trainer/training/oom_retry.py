@@ -3,8 +3,14 @@
 The usual cure (halve the batch, restart) silently changes the effective batch and loses time.
 Here an OOM in a training step halves the micro-batch and doubles accumulation, so the optimizer
 step covers exactly the same rows; at micro-batch 1 the rows are split into shorter pieces
-(25% shorter each time) instead of dropping data. Single-process training only: ranks of a
-multi-process run cannot agree on a new shape mid-step.
+(25% shorter each time) instead of dropping data.
+
+Several processes: a rank that runs out of memory cannot join the others' gradient all-reduce, so
+with the fallback on, gradients stay local through the step (``Step.defer_grad_sync``). After it,
+one all-reduce tells every rank whether any rank failed (and which parameters have gradients
+anywhere); then either all ranks redo the step in the same smaller shape, or the gradients are
+averaged as DDP would have, bucket by bucket. The cost is DDP's overlap of that all-reduce with
+backward, small for LoRA's gradients.
 """
 
 from __future__ import annotations
@@ -50,12 +56,14 @@ def shrink(shape: StepShape, max_length: int) -> StepShape | None:
     return StepShape(shape.micro, shape.accum, shorter)
 
 
-def oom_failure(step: int, shape: StepShape, cfg: Config, world: int) -> OutOfMemoryAfterRetries:
-    """The error for an OOM the fallback cannot absorb: out of retries, of room to shrink, or multi-process."""
+def oom_failure(
+    step: int, shape: StepShape, cfg: Config, world: int, coordinated: bool = False
+) -> OutOfMemoryAfterRetries:
+    """The error for an OOM the fallback cannot absorb: out of retries, of room to shrink, or switched off."""
+    where = "" if world == 1 else " on one of the ranks" if coordinated else " (memory.oom_fallback is off)"
     return OutOfMemoryAfterRetries(
-        f"out of memory at step {step + 1} with micro_batch_size={shape.micro}, "
-        f"gradient_accumulation_steps={shape.accum}, split length {shape.split_length or cfg.data.max_length}"
-        f"{'' if world == 1 else ' (the fallback runs in single-process training only)'}; "
+        f"out of memory{where} at step {step + 1} with micro_batch_size={shape.micro}, "
+        f"gradient_accumulation_steps={shape.accum}, split length {shape.split_length or cfg.data.max_length}; "
         f"checkpoint-{step} holds the last completed step. Lower training.micro_batch_size or data.max_length, "
         "or enable memory.gradient_checkpointing"
     )
@@ -71,6 +79,7 @@ class OomFallback:
     world: int
     is_main: bool
     faults: Faults
+    model: torch.nn.Module | None = None  # several processes: the model whose gradients the fallback syncs
 
     def run(
         self,
@@ -84,31 +93,89 @@ class OomFallback:
         When no smaller shape is allowed, the last completed step is checkpointed (single process)
         and ``OutOfMemoryAfterRetries`` raised."""
         retries = self.cfg.memory.max_oom_retries
+        coordinated = self.world > 1 and self.cfg.memory.oom_fallback and self.model is not None
         for tries in range(retries + 1):
+            failure = result = None
             try:
                 self.faults.oom("train", done + 1)
-                return attempt(shape), shape
+                result = attempt(shape)
             except Exception as exc:
                 self.optimizer.zero_grad(set_to_none=True)
                 if not is_oom(exc):
                     raise
+                failure = exc
                 free_memory()
-                smaller = shrink(shape, self.cfg.data.max_length)
-                if not self.cfg.memory.oom_fallback or self.world > 1 or smaller is None or tries == retries:
-                    if done > 0 and self.world == 1:
-                        save_before_failing()  # keep what was trained before failing
-                    raise oom_failure(done, shape, self.cfg, self.world) from exc
-                self.log.event(
-                    "oom_fallback",
-                    step=done + 1,
-                    old=shape.as_dict(),
-                    new=smaller.as_dict(),
-                    attempt=tries + 1,
+            if coordinated:
+                failed_anywhere = agree_and_sync(self.model, failure is not None, self.world)
+            else:
+                failed_anywhere = failure is not None
+            if not failed_anywhere:
+                return result, shape
+            self.optimizer.zero_grad(set_to_none=True)
+            smaller = shrink(shape, self.cfg.data.max_length)
+            can_retry = self.cfg.memory.oom_fallback and (coordinated or self.world == 1)
+            if not can_retry or smaller is None or tries == retries:
+                if done > 0 and (self.world == 1 or coordinated):
+                    save_before_failing()  # keep what was trained before failing (every rank, together)
+                raise oom_failure(done, shape, self.cfg, self.world, coordinated) from failure
+            self.log.event(
+                "oom_fallback",
+                step=done + 1,
+                old=shape.as_dict(),
+                new=smaller.as_dict(),
+                attempt=tries + 1,
+                **({"rank_failed": failure is not None} if coordinated else {}),
+            )
+            if self.is_main:
+                print(
+                    f"out of memory at step {done + 1}"
+                    f"{' on a rank' if coordinated else ''}: now {smaller.as_dict()} (same rows per step)",
+                    flush=True,
                 )
-                if self.is_main:
-                    print(
-                        f"out of memory at step {done + 1}: now {smaller.as_dict()} (same rows per step)",
-                        flush=True,
-                    )
-                shape = smaller
+            shape = smaller
         raise AssertionError("unreachable: the last try either returns or raises")
+
+
+GRADIENT_BUCKET_BYTES = 64 * 2**20
+
+
+def agree_and_sync(model, failed_here: bool, world: int) -> bool:
+    """One all-reduce: did any rank run out of memory, and which parameters have a gradient on some rank.
+    When none failed, gradients are averaged across ranks as DDP would (missing ones count as zeros where
+    another rank has one; a parameter no rank touched keeps no gradient). Returns whether any rank failed."""
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    device = params[0].device if params else torch.device("cpu")
+    flags = torch.tensor([float(failed_here)] + [float(p.grad is not None) for p in params], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags[0] > 0:
+        return True
+    have = [p for p, seen in zip(params, flags[1:].tolist()) if seen > 0]
+    for p in have:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for bucket in gradient_buckets([p.grad for p in have]):
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        dist.all_reduce(flat)
+        flat.div_(world)
+        for grad, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+            grad.copy_(synced)
+    return False
+
+
+def gradient_buckets(grads: list) -> list[list]:
+    """Gradients in groups of one dtype, at most ~64 MB each (one all-reduce per group)."""
+    buckets, current, size = [], [], 0
+    for grad in grads:
+        if current and (
+            grad.dtype != current[0].dtype
+            or size + grad.numel() * grad.element_size() > GRADIENT_BUCKET_BYTES
+        ):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(grad)
+        size += grad.numel() * grad.element_size()
+    if current:
+        buckets.append(current)
+    return buckets

@@ -223,6 +223,7 @@ class Step:
     aux_coef: float  # the model's router_aux_loss_coef (0 when it has none)
     data: list[Sequence]  # the training rows
     pad_id: int
+    defer_grad_sync: bool = False  # keep gradients local (the OOM fallback of several processes syncs them)
 
     def __call__(self, rows: list[int], shape: StepShape) -> StepResult:
         accelerator = self.accelerator
@@ -244,7 +245,7 @@ class Step:
         input_tokens = sum(int(b["token_mask"].sum()) for b in batches)
         aux = None
         for k, batch in enumerate(batches):
-            sync = k == len(batches) - 1
+            sync = k == len(batches) - 1 and not self.defer_grad_sync
             with contextlib.nullcontext() if sync else accelerator.no_sync(self.model):
                 self.counter.start_micro_batch(batch["token_mask"])
                 ce_sum, aux = self.loss(self.model, batch, accelerator)
