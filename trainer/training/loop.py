@@ -138,7 +138,9 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
     counter = ExpertCounter(accelerator.unwrap_model(model))
     loss = faults.loss(kernels.loss)
     aux_coef = float(getattr(accelerator.unwrap_model(model).config, "router_aux_loss_coef", 0.0) or 0.0)
-    coordinated_oom = world > 1 and cfg.memory.oom_fallback  # gradients synced after the ranks agree
+    # Several processes: gradients synced after the ranks agree no rank ran out of memory. Not for full
+    # fine-tuning, whose gradients are the model's size: there DDP's all-reduce overlapping backward is kept.
+    coordinated_oom = world > 1 and cfg.memory.oom_fallback and cfg.training.method != "full"
     step = Step(model, accelerator, loss, counter, aux_coef, data.train, pad_id, coordinated_oom)
     evaluator = Evaluator(
         model, tokenizer, data.val, task, task_examples, cfg, accelerator, pad_id, loss, counter, log, faults

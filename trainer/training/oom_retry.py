@@ -10,7 +10,7 @@ with the fallback on, gradients stay local through the step (``Step.defer_grad_s
 one all-reduce tells every rank whether any rank failed (and which parameters have gradients
 anywhere); then either all ranks redo the step in the same smaller shape, or the gradients are
 averaged as DDP would have, bucket by bucket. The cost is DDP's overlap of that all-reduce with
-backward, small for LoRA's gradients.
+backward: small for LoRA's gradients, so full fine-tuning keeps DDP's overlap and fails with the message.
 """
 
 from __future__ import annotations
@@ -60,7 +60,10 @@ def oom_failure(
     step: int, shape: StepShape, cfg: Config, world: int, coordinated: bool = False
 ) -> OutOfMemoryAfterRetries:
     """The error for an OOM the fallback cannot absorb: out of retries, of room to shrink, or switched off."""
-    where = "" if world == 1 else " on one of the ranks" if coordinated else " (memory.oom_fallback is off)"
+    where = (
+        "" if world == 1 else " on one of the ranks" if coordinated
+        else " (several processes: the fallback covers LoRA and QLoRA runs with memory.oom_fallback on)"
+    )  # fmt: skip
     return OutOfMemoryAfterRetries(
         f"out of memory{where} at step {step + 1} with micro_batch_size={shape.micro}, "
         f"gradient_accumulation_steps={shape.accum}, split length {shape.split_length or cfg.data.max_length}; "
