@@ -7,6 +7,10 @@ then finishes; an OOM at the first evaluation halves the evaluation batch. Print
 and the steps' losses and peaks.
 
     python bench/oom_demo_gpu.py --out /tmp/oom-demo [--micro 64] [--steps 4]
+
+With ``--processes 2`` the same run is started under ``accelerate launch`` on two GPUs: every rank runs out of
+memory (a real OOM) and all agree on the smaller shape. ``--inject-rank 1 --micro 8`` instead fits, and an
+OOM is injected on rank 1 alone at step 2 (``tests.faulty_trainer``): both ranks still shrink together.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/oom-demo")
     parser.add_argument("--micro", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument(
+        "--inject-rank", type=int, default=None, help="injected OOM at step 2 on this rank only"
+    )
     args = parser.parse_args()
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
@@ -62,8 +70,20 @@ def main() -> None:
     }
     config = root / "oom.yaml"
     config.write_text(yaml.safe_dump(cfg))
+    entry = ["-m", "trainer"]
+    if args.inject_rank is not None:
+        entry = ["-m", "tests.faulty_trainer", "--oom", f"train:2@{args.inject_rank}"]
+    launcher = [sys.executable]
+    if args.processes > 1:
+        launcher += [
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(args.processes),
+        ]
     result = subprocess.run(
-        [sys.executable, "-m", "trainer", "train", "--config", str(config)],
+        [*launcher, *entry, "train", "--config", str(config)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -77,7 +97,11 @@ def main() -> None:
         if e["event"] in ("oom_fallback", "eval_skipped")
     ]
     for event in events:
-        print(json.dumps({k: event.get(k) for k in ("event", "step", "phase", "old", "new", "attempt")}))
+        print(
+            json.dumps(
+                {k: event.get(k) for k in ("event", "step", "phase", "old", "new", "attempt", "rank_failed")}
+            )
+        )
     for record in iter_records(run / "logs" / "training_log.jsonl"):
         print(
             f"step {record['step']}: loss {record['loss']:.4f}, tokens {record['tokens']}, "
