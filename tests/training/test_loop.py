@@ -167,3 +167,23 @@ def test_step_kernels_chosen_once_drive_training_and_evaluation(write_config, tm
     evaluations = list(iter_records(tmp_path / "run" / "logs" / runfolder.EVAL_LOG))
     assert [e["step"] for e in evaluations] == [2]  # eval.at_end, over eval.max_batches=2 batches
     assert seen == {"choose": 1, "prepare": 1, "loss": 2 * 2 + 2}  # 2 steps x accumulation 2, then eval
+
+
+def test_setup_objects_are_frozen_out_of_the_gc_while_training_and_released_after(write_config):
+    """Python's cyclic GC must not walk the model and data at every collection during the steps, and a process
+    that trains again (tests, sweeps) gets this run's objects back to collect."""
+    import gc
+
+    cfg = load_config(write_config({"training": {"max_steps": 2, "save_steps": 100}}))
+    frozen_during_steps = []
+
+    def watching(real_loss):
+        def loss(model, batch, accelerator):
+            frozen_during_steps.append(gc.get_freeze_count())
+            return real_loss(model, batch, accelerator)
+
+        return loss
+
+    assert train(cfg, faults=InjectedFaults(wrap_loss=watching)) == 0
+    assert frozen_during_steps and min(frozen_during_steps) > 10_000  # the model, its modules, the data rows
+    assert gc.get_freeze_count() == 0

@@ -6,8 +6,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 
 class ModelLoadError(RuntimeError):
     """A model or tokenizer could not be loaded; the message names the missing file or setting."""
@@ -50,6 +48,8 @@ def counts_from_zero(positions) -> bool:
     """True when every row's ``position_ids`` are 0, 1, 2, ... (what a model assumes when given none)."""
     if positions is None:
         return False
+    import torch  # here: `needs` reads families without torch installed
+
     return bool((positions == torch.arange(positions.shape[-1], device=positions.device)).all())
 
 

@@ -270,6 +270,9 @@ def train(
             cfg, model, optimizer, scheduler = run.cfg, run.model, run.optimizer, run.scheduler
             stop, step_log = start_monitoring(cleanup, run, log, accelerator, output_dir, state)
             freeze_setup_objects()
+            cleanup.callback(
+                gc.unfreeze
+            )  # a process that trains again (tests, sweeps) can free this run's objects
 
             model.train()
             if cfg.eval.at_start and state.step == 0:
