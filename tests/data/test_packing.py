@@ -202,6 +202,17 @@ def test_padding_mask_kept_for_unpacked_rows_dropped_for_packed_ones():
     assert "attention_mask" not in full and sorted(causal_inputs(full)) == ["input_ids", "position_ids"]
 
 
+def test_default_positions_are_not_passed():
+    """Rows counting 0, 1, 2, ... need no position ids (transformers' default; passing them makes it look for
+    packed documents with a GPU sync); a window that starts elsewhere keeps its own."""
+    plain = collate(
+        [Sequence([5, 6, 7], [5, 6, 7], [0, 1, 2]), Sequence([8, 9, 4], [8, 9, 4], [0, 1, 2])], PAD
+    )
+    assert sorted(causal_inputs(plain)) == ["input_ids"]
+    shifted = collate([Sequence([5, 6, 7], [5, 6, 7], [4, 5, 6])], PAD)
+    assert sorted(causal_inputs(shifted)) == ["input_ids", "position_ids"]
+
+
 def test_attention_choice():
     """sdpa unless the config names another kernel: FlexAttention measured no faster on the GPU."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

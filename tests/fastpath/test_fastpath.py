@@ -230,6 +230,15 @@ def test_make_optimizer_tells_the_cast_cache_of_each_step(write_config):
     assert lora_ops._generation == generation + 1
 
 
+def test_logit_chunks_are_sized_by_tokens_not_by_the_hidden_size():
+    from trainer.fastpath import logit_chunk_budget
+
+    # Liger's chunk = tokens / ceil(vocab / (budget x hidden)): about 4096 x tokens of logits at either width
+    assert logit_chunk_budget(torch.empty(8, 1024)) == 4
+    assert logit_chunk_budget(torch.empty(8, 2048)) == 2
+    assert logit_chunk_budget(torch.empty(8, 8192)) == 1
+
+
 def test_torch_rms_norm_matches_the_models_own():
     from transformers import AutoConfig, AutoModelForCausalLM
 
