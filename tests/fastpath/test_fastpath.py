@@ -412,3 +412,101 @@ def test_grouped_qkv_falls_back_when_the_attention_code_does_something_else(writ
     unpatch(model)
     assert torch.allclose(k_other, attn.k_proj(other), atol=1e-6)
     assert STASH not in attn.v_proj.__dict__
+
+
+def checkpointed_llama(write_config, dropout: float = 0.0):
+    """tiny-llama with LoRA and transformers' checkpointing on (CPU: the fast path itself is refused)."""
+    from trainer.model.loading import load_for_training
+
+    cfg = load_config(
+        write_config(
+            {
+                "model": {"name_or_path": str(REPO / "configs" / "tiny-llama")},
+                "training": {"method": "lora"},
+                "lora": {"dropout": 0.0, "target_modules": ALL_LINEAR},
+                "memory": {"gradient_checkpointing": True},
+            }
+        )
+    )
+    model = load_for_training(cfg, torch.device("cpu")).model
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.05)
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = dropout
+    model.train()
+    return model
+
+
+def checkpoint_grads(model, ids, autocast: bool = False, seed: int = 1):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout masks for every variant
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("dropout,autocast", [(0.0, False), (0.3, False), (0.0, True)])
+def test_offloaded_checkpointing_gives_the_gradients_of_plain_checkpointing(write_config, dropout, autocast):
+    """The recompute replays the forward's RNG (dropout masks) and autocast state, and the LoRA gradients of
+    the first layer arrive although its input (a frozen embedding's output) needs no gradient."""
+    from trainer.fastpath.offload import offload_checkpointed_layers
+
+    model = checkpointed_llama(write_config, dropout)
+    ids = torch.randint(3, 1024, (2, 24))
+    ref_loss, ref_grads = checkpoint_grads(model, ids, autocast)
+    assert offload_checkpointed_layers(model) == 2
+    loss, grads = checkpoint_grads(model, ids, autocast)
+    assert float(loss) == float(ref_loss)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 7 * 2
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) < (1e-2 if autocast else 1e-6), name
+    if dropout:  # the masks matter here: other masks give other gradients, so the replay above was needed
+        _, other = checkpoint_grads(model, ids, autocast, seed=2)
+        assert max(rel_err(other[n], ref_grads[n]) for n in grads) > 1e-3
+
+
+def test_offloader_prefetches_in_backward_order_and_forgets_abandoned_forwards(monkeypatch):
+    from trainer.fastpath import offload
+
+    prefetched = []
+    monkeypatch.setattr(offload._Slot, "prefetch", lambda self: prefetched.append(float(self.host[0])))
+    offloader = offload.Offloader()
+    slots = [offloader.push(torch.full((2,), float(i))) for i in range(3)]
+    assert float(offloader.take(slots[2])[0]) == 2.0 and prefetched == [1.0]
+    assert float(offloader.take(slots[1])[0]) == 1.0 and prefetched == [1.0, 0.0]
+    assert len(offloader.slots) == 1
+    del slots  # a forward whose backward never ran (an OOM mid-step): its slots die with its graph
+    kept = offloader.push(torch.zeros(2))
+    assert [ref() for ref in offloader.slots] == [kept]
+
+
+def test_offloading_follows_the_memory_setting(write_config, monkeypatch):
+    """memory.offload_checkpoints reaches the fast path, for LoRA with checkpointing only."""
+    import trainer.fastpath as fastpath
+    from trainer.model import loading
+
+    seen = []
+    real_apply = fastpath.apply
+    monkeypatch.setattr(
+        loading.fastpath, "apply", lambda m, d, **kw: seen.append(kw) or real_apply(m, d, **kw)
+    )
+    for memory, expected in (
+        ({"gradient_checkpointing": True}, True),
+        ({"gradient_checkpointing": True, "offload_checkpoints": False}, False),
+        ({"gradient_checkpointing": False}, False),
+    ):
+        cfg = load_config(
+            write_config(
+                {
+                    "model": {"name_or_path": str(REPO / "configs" / "tiny-llama")},
+                    "training": {"method": "lora"},
+                    "memory": memory,
+                }
+            )
+        )
+        loading.load_for_training(cfg, torch.device("cpu"))
+        assert seen[-1] == {"offload": expected}, memory

@@ -252,6 +252,9 @@ class LoggingConfig:
 @dataclass(config=SECTION)
 class MemoryConfig:
     gradient_checkpointing: Bool = False
+    # With checkpointing on the CUDA fast path (LoRA, QLoRA): each layer's input waits in pinned host memory
+    # until its backward, copied on a side stream (trainer/fastpath/offload.py).
+    offload_checkpoints: Bool = True
     # Cross-entropy in checkpointed chunks of tokens, never the full fp32 logits (plain-head causal LMs).
     chunked_loss: Bool = True
     oom_fallback: Bool = True

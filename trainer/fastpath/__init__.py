@@ -10,6 +10,7 @@ What it does to a loaded (PEFT-wrapped) model, each piece only where it applies:
   one node that recomputes the activation;
 - the next-token loss through Liger's fused linear cross-entropy (the head and the loss in chunks, the
   gradient computed in the forward), where the logits are exactly ``lm_head(hidden)``;
+- with checkpointing, each decoder layer's input kept in pinned host memory until its backward (``offload``);
 - for QLoRA, no fp32 upcast of norms and embeddings (``prepare_model_for_kbit_training`` does that for
   the reference path; it costs memory and bandwidth and the kernels compute in fp32 inside anyway).
 """
@@ -27,6 +28,7 @@ from trainer.data.dataset import IGNORE
 from trainer.families import ModelLoadError
 from trainer.families import head as model_head
 from trainer.fastpath import selfcheck
+from trainer.fastpath.offload import offload_checkpointed_layers
 from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_qkv_groups, patch_swiglu_mlps
 
 ENABLED_ATTRIBUTE = "_kit_fast_path"
@@ -48,6 +50,7 @@ class FastPathReport:
     mlp_blocks_fused: int = 0
     qkv_groups_fused: int = 0
     rms_norm: str = "torch"
+    offloaded_layers: int = 0  # checkpointed decoder layers whose inputs wait in pinned host memory
     self_check: list = field(default_factory=list)  # KernelCheck.as_dict() of each kernel checked
 
     def as_dict(self) -> dict:
@@ -151,9 +154,10 @@ def _quiet_liger():
         logger.setLevel(level)
 
 
-def apply(model, decision: Decision, rms_norm: str = "torch") -> FastPathReport:
+def apply(model, decision: Decision, rms_norm: str = "torch", offload: bool = False) -> FastPathReport:
     """Put the fast path on ``model`` where ``decision`` allows; the report says what was done and carries the
-    self-check's measured errors."""
+    self-check's measured errors. ``offload``: checkpointed layers keep their inputs in pinned host memory
+    (trainer/fastpath/offload.py)."""
     target = model_head.unwrap(model)
     checks = [c.as_dict() for c in decision.checks]
     if not decision.enabled:
@@ -167,6 +171,8 @@ def apply(model, decision: Decision, rms_norm: str = "torch") -> FastPathReport:
     report.mlp_blocks_fused = patch_swiglu_mlps(model)
     report.lora_modules_fused, report.lora_modules_reference = patch_lora_linears(model)
     report.qkv_groups_fused = patch_qkv_groups(model)
+    if offload:
+        report.offloaded_layers = offload_checkpointed_layers(model)
     head = model_head.output_head(model)
     report.fused_loss = (
         model_head.supports_chunked_loss(model) and type(head) is torch.nn.Linear and head.bias is None

@@ -346,7 +346,8 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
     if cfg.training.method in ("lora", "qlora"):
         model = apply_peft(model, cfg, family, upcast_for_kbit=not fast.enabled)
     report = size_report(model, cfg.training.method)
-    fast_report = fastpath.apply(model, fast)
+    offload = cfg.memory.gradient_checkpointing and cfg.memory.offload_checkpoints
+    fast_report = fastpath.apply(model, fast, offload=offload and cfg.training.method in ("lora", "qlora"))
     report["fast_path"] = fast_report.as_dict()
     if fast_report.enabled:
         report.update(fast_attention.apply(model, device, cfg.data.packing, cfg.model.attn_implementation))

@@ -1,0 +1,181 @@
+"""Activation checkpointing that keeps each decoder layer's input in pinned host memory, not on the GPU.
+
+Why: with checkpointing, what a step still holds per layer is the layer's input (B x T x hidden, 32 MB for
+Llama-1B at 4 x 2048), for every layer until the backward reaches it; on a narrow model with a large
+vocabulary that is most of the activation memory (Qwen3-0.6B: 28 x 16 MB). Unsloth copies these inputs
+to the host during the forward and back during the backward; this does the same on the fast path:
+
+- forward: the layer runs without building a graph (as checkpointing does) while its input is copied to
+  pinned memory on a side stream, so the copy overlaps the layer's own compute;
+- backward: the input comes back (prefetched on the side stream while the layer after it in backward
+  order, i.e. before it in the model, was still computing), the layer is recomputed with autograd on and
+  back-propagated, under the autocast state and RNG state the forward had.
+
+On CPU the "host copy" is the tensor itself, so the maths (recompute, nested backward, RNG and autocast
+replay) runs in the CPU tests against plain checkpointing.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+ATTRIBUTE = "_kit_offloaded_checkpoint"
+
+
+class _Slot:
+    """One layer input on its way to the host and back."""
+
+    def __init__(self, hidden: torch.Tensor, stream) -> None:
+        self.device = hidden.device
+        self.stream = stream
+        self.back = None  # the input on the GPU again (a prefetch), with the event that says it is there
+        if stream is None:  # CPU: nothing to move
+            self.host = hidden
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+            self.host.copy_(hidden, non_blocking=True)
+        hidden.record_stream(stream)  # the GPU block is not reused until the copy has read it
+
+    def prefetch(self) -> None:
+        if self.stream is None or self.back is not None:
+            return
+        with torch.cuda.stream(self.stream):
+            tensor = self.host.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.back = (tensor, event)
+
+    def load(self) -> torch.Tensor:
+        if self.stream is None:
+            return self.host.detach()
+        self.prefetch()
+        tensor, event = self.back
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        tensor.record_stream(current)
+        self.back = None
+        return tensor
+
+
+class Offloader:
+    """The layer inputs of one model in forward order, so each backward can prefetch the next one it needs.
+
+    Slots are held weakly: a forward whose backward never ran (an OOM mid-step) leaves dead entries, which
+    are pruned, not a growing queue of host buffers."""
+
+    def __init__(self) -> None:
+        self.slots: list[weakref.ref] = []
+        self.streams: dict = {}
+
+    def stream_for(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
+
+    def push(self, hidden: torch.Tensor) -> _Slot:
+        slot = _Slot(hidden, self.stream_for(hidden.device))
+        self.slots = [ref for ref in self.slots if ref() is not None]
+        self.slots.append(weakref.ref(slot))
+        return slot
+
+    def take(self, slot: _Slot) -> torch.Tensor:
+        """``slot``'s input back on its device, and the copy of the one before it started."""
+        live = [ref() for ref in self.slots]
+        index = next((i for i, s in enumerate(live) if s is slot), None)
+        if index is not None:
+            earlier = next((s for s in reversed(live[:index]) if s is not None), None)
+            self.slots = self.slots[:index]
+            tensor = slot.load()
+            if earlier is not None:
+                earlier.prefetch()
+            return tensor
+        return slot.load()
+
+
+def _autocast_state(device_type: str) -> dict:
+    return {
+        "device_type": device_type,
+        "enabled": torch.is_autocast_enabled(device_type),
+        "dtype": torch.get_autocast_dtype(device_type),
+        "cache_enabled": torch.is_autocast_cache_enabled(),
+    }
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, offloader, anchor, hidden):
+        ctx.run, ctx.offloader = run, offloader
+        ctx.autocast = _autocast_state(hidden.device.type)
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.device.type == "cuda" else None
+        out = run(hidden)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"offloaded checkpointing needs a decoder layer that returns one tensor, got {type(out).__name__}"
+            )
+        ctx.slot = offloader.push(hidden)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden = ctx.offloader.take(ctx.slot).requires_grad_(True)
+        ctx.slot = None
+        devices = [hidden.device] if ctx.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=hidden.device.type):
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
+            with torch.enable_grad(), torch.autocast(**ctx.autocast):
+                out = ctx.run(hidden)
+        if out.requires_grad:
+            torch.autograd.backward(out, grad_out)
+        ctx.run = None
+        return None, None, None, hidden.grad if ctx.needs_input_grad[3] else None
+
+
+class OffloadedCheckpoint:
+    """A ``_gradient_checkpointing_func`` for transformers' decoder layers (called as ``func(fn, hidden)``)."""
+
+    def __init__(self) -> None:
+        self.offloader = Offloader()
+        # Makes the layer's output require grad even where its input does not (the first layer's input under
+        # a frozen embedding), so the backward that computes the LoRA gradients is always reached.
+        self.anchor = torch.empty(0, requires_grad=True)
+
+    def __call__(self, run, hidden, *rest, **kwargs):
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(
+                f"offloaded checkpointing expects the layer's hidden states first, got {type(hidden)}"
+            )
+        if (
+            rest or kwargs
+        ):  # the other inputs (masks, positions) are kept as they are: only the hidden states move
+            run = functools.partial(_call_with, run, rest, kwargs)
+        return _OffloadedCheckpoint.apply(run, self.offloader, self.anchor, hidden)
+
+
+def _call_with(run, rest, kwargs, hidden):
+    return run(hidden, *rest, **kwargs)
+
+
+def offload_checkpointed_layers(model) -> int:
+    """Route every checkpointed decoder layer of ``model`` through one ``OffloadedCheckpoint``; returns how
+    many. Layers transformers does not checkpoint (checkpointing off, or ``every_n_layers``) stay as they are."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    func = OffloadedCheckpoint()
+    count = 0
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
+            module._gradient_checkpointing_func = func
+            count += 1
+    if count:
+        setattr(model, ATTRIBUTE, func)
+    return count
