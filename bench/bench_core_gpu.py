@@ -317,11 +317,18 @@ def format_ratio(a: dict, b: dict, key: str = "tokens_per_sec", with_range: bool
 
 
 def measure(
-    root: Path, shape: str, impls: set[str], steps: int, anchors: Path | None, repeat: int = 1
+    root: Path,
+    shape: str,
+    impls: set[str],
+    steps: int,
+    anchors: Path | None,
+    repeat: int = 1,
+    progress=None,
 ) -> list[dict]:
     """Each setting of one shape. The kit and Unsloth run ``repeat`` times, alternating (every kit setting,
     then one Unsloth invocation, which covers all three settings), so host-speed drift hits both alike;
-    ref, hf and liger run once, in the first repeat."""
+    ref, hf and liger run once, in the first repeat. ``progress(cells)`` gets the cells so far after each
+    repeat (main saves them: a call cut off by its time limit keeps the repeats it finished)."""
     name, config = SHAPES[shape]
     model = model_dir(root / "models", name, config, weights=True)
     cells = {setting: {"shape": shape, "setting": setting} for setting in SETTINGS}
@@ -347,10 +354,12 @@ def measure(
             rows = run_unsloth(anchors, steps, None if shape == "llama" else model)
             for setting in SETTINGS:
                 unsloth[setting].append(rows.get(setting, {"error": "no result"}))
-    for setting, cell in cells.items():
-        for impl, runs in (("ours", ours[setting]), ("unsloth", unsloth[setting])):
-            if runs:
-                cell[impl] = aggregate_runs(runs)
+        for setting, cell in cells.items():
+            for impl, runs in (("ours", ours[setting]), ("unsloth", unsloth[setting])):
+                if runs:
+                    cell[impl] = aggregate_runs(runs)
+        if progress is not None:
+            progress(list(cells.values()))
     return list(cells.values())
 
 
@@ -406,12 +415,23 @@ def table_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def quantization_note(cell: dict) -> str | None:
+    """Where Trainer + PEFT left fused expert weights out of 4-bit (glm4_moe): how much of each row is 4-bit."""
+    hf = cell.get("hf") or {}
+    if not hf.get("unquantized_expert_bytes"):
+        return None
+    shares = [
+        f"{impl} {r['quantized_params'] / 1e6:,.0f}M of {r['total_params'] / 1e6:,.0f}M params in 4-bit"
+        for impl, r in (("ours", cell.get("ours") or {}), ("hf", hf))
+        if r.get("quantized_params") is not None and r.get("total_params")
+    ]
+    return f"NOTE {cell['shape']} {cell['setting']}: " + "; ".join(shares + [f"hf: {hf.get('note', '')}"])
+
+
 def print_table(rows: list[dict]) -> None:
     print("\n".join(table_lines(rows)))
-    for cell in rows:
-        hf = cell.get("hf") or {}
-        if hf.get("unquantized_expert_bytes"):
-            print(f"NOTE {cell['shape']} hf: {hf.get('note', '')}")
+    for note in filter(None, map(quantization_note, rows)):
+        print(note)
 
 
 def loss_check(root: Path, steps: int) -> dict:
@@ -707,7 +727,14 @@ def main() -> None:
         if shape == "glm":
             results["rows"].append(measure_glm(root, impls, args.steps))
         else:
-            results["rows"] += measure(root, shape, impls, args.steps, args.anchors, args.repeat)
+            done = list(results["rows"])
+
+            def progress(cells: list[dict], done: list[dict] = done) -> None:
+                save_results(root, {**results, "rows": done + cells})
+
+            results["rows"] = done + measure(
+                root, shape, impls, args.steps, args.anchors, args.repeat, progress
+            )
         save_results(root, results)
     if results["rows"]:
         print_table(results["rows"])

@@ -89,7 +89,12 @@ def recorded(monkeypatch, tmp_path):
 
 def test_repeats_alternate_every_kit_setting_with_one_unsloth_call(recorded, tmp_path):
     impls = {"ours", "ref", "liger", "unsloth"}
-    cells = bench.measure(tmp_path, "llama", impls, 12, tmp_path, repeat=2)
+    saved = []  # what main's progress writes to the JSON file after each repeat
+
+    def progress(cells):
+        saved.append(json.loads(json.dumps(cells)))
+
+    cells = bench.measure(tmp_path, "llama", impls, 12, tmp_path, repeat=2, progress=progress)
     order = [c[0] if c[0] != "ours" else c[1] for c in recorded]
     assert order == [
         "llama lora+gc",
@@ -111,6 +116,7 @@ def test_repeats_alternate_every_kit_setting_with_one_unsloth_call(recorded, tmp
     assert first["ours"]["tokens_per_sec_runs"] == [101.0, 111.0]
     assert first["unsloth"]["tokens_per_sec_runs"] == [210.0, 214.0]
     assert "tokens_per_sec_runs" not in first["ref"] and "tokens_per_sec_runs" not in first["liger"]
+    assert len(saved) == 2 and saved[0][0]["ours"]["tokens_per_sec"] == 101.0  # after repeat 1 alone
 
 
 def test_glm_row_runs_trainer_peft_on_the_attention_projections_and_prints_the_ratio(recorded, tmp_path):
@@ -122,10 +128,15 @@ def test_glm_row_runs_trainer_peft_on_the_attention_projections_and_prints_the_r
         ("hf", True, True, attention),  # QLoRA, checkpointing, the same four targets
     ]
     assert set(cell) == {"shape", "setting", "ours", "ref", "hf"}
-    cell["hf"]["unquantized_expert_bytes"] = 2 << 30
-    cell["hf"]["note"] = "2.00 GiB of fused MoE expert weights are not 4-bit"
     line = bench.table_lines([cell])[1]
     assert line.split()[-4:] == ["-", "-", "2.02x", "-"]  # ours/hf: 101 / 50
+    assert bench.quantization_note(cell) is None
+    cell["ours"].update(quantized_params=539e6, total_params=606e6)
+    note = "2.00 GiB of fused MoE expert weights are not 4-bit"
+    cell["hf"].update(quantized_params=36e6, total_params=606e6, unquantized_expert_bytes=2 << 30, note=note)
+    assert bench.quantization_note(cell) == (
+        "NOTE glm qlora+gc: ours 539M of 606M params in 4-bit; hf 36M of 606M params in 4-bit; hf: " + note
+    )
 
 
 def test_resumed_losses_compare_over_the_steps_both_runs_logged():
