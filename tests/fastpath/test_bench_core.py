@@ -1,6 +1,6 @@
-"""bench/bench_core_gpu.py and bench/hf_trainer_baseline.py on CPU: the repeat aggregation and the table it
-prints, the order runs alternate in, the glm row against Trainer + PEFT, the resume comparison and the
-optimizer-state check (the GPU runs only change the sizes and the optimizer's device)."""
+"""bench/bench_core_gpu.py, bench/optimizer_state.py and bench/hf_trainer_baseline.py on CPU: the repeat
+aggregation and the table it prints, the order runs alternate in, the glm row against Trainer + PEFT, the
+resume comparison and the optimizer-state check (the GPU runs only change sizes and the optimizer's device)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from bench import optimizer_state
 from tests.helpers import REPO
 
 
@@ -163,7 +164,7 @@ def saved_optimizer(tmp_path, name: str, steps: int = 2):
     params = [torch.nn.Parameter(torch.randn(16, 4096)), torch.nn.Parameter(torch.randn(512, 16))]
     bias = torch.nn.Parameter(torch.randn(8))
     groups = [{"params": params, "weight_decay": 0.01}, {"params": [bias], "weight_decay": 0.0}]
-    optimizer = bench.optimizer_class(name)(groups, lr=1e-3)
+    optimizer = optimizer_state.optimizer_class(name)(groups, lr=1e-3)
     for _ in range(steps):
         for p in (*params, bias):
             p.grad = torch.randn_like(p)
@@ -174,7 +175,9 @@ def saved_optimizer(tmp_path, name: str, steps: int = 2):
 
 
 def test_adamw_state_loads_back_identical_with_state_for_every_parameter(tmp_path):
-    check = bench.optimizer_state_check(saved_optimizer(tmp_path, "adamw"), "adamw", 3, device="cpu")
+    check = optimizer_state.optimizer_state_check(
+        saved_optimizer(tmp_path, "adamw"), "adamw", 3, device="cpu"
+    )
     assert check["every_param_has_state"] and check["identical_after_load"], check
     assert check["param_groups"] == [2, 1] and check["class"] == "AdamW"
     assert check["params_with_8bit_state"] == 0
@@ -182,21 +185,21 @@ def test_adamw_state_loads_back_identical_with_state_for_every_parameter(tmp_pat
 
 def test_state_check_notices_missing_parameters_and_altered_state(tmp_path):
     path = saved_optimizer(tmp_path, "adamw")
-    assert not bench.optimizer_state_check(path, "adamw", 4, device="cpu")["every_param_has_state"]
+    assert not optimizer_state.optimizer_state_check(path, "adamw", 4, device="cpu")["every_param_has_state"]
     # fp32 moments put into bf16 parameters come back rounded: the comparison is exact, dtype included
-    altered = bench.optimizer_state_check(path, "adamw", 3, dtype=torch.bfloat16, device="cpu")
+    altered = optimizer_state.optimizer_state_check(path, "adamw", 3, dtype=torch.bfloat16, device="cpu")
     assert not altered["identical_after_load"] and "0:exp_avg" in altered["differing"]
     state = torch.load(path)
     del state["state"][1]
     torch.save(state, path)
-    missing = bench.optimizer_state_check(path, "adamw", 3, device="cpu")
+    missing = optimizer_state.optimizer_state_check(path, "adamw", 3, device="cpu")
     assert missing["error"] == "no exp_avg or state1 in the saved state of parameter 1"
 
 
 def test_8bit_adamw_state_is_8bit_and_loads_back_identical(tmp_path):
     pytest.importorskip("bitsandbytes")
     path = saved_optimizer(tmp_path, "adamw_8bit")
-    check = bench.optimizer_state_check(path, "adamw_8bit", 3, device="cpu")
+    check = optimizer_state.optimizer_state_check(path, "adamw_8bit", 3, device="cpu")
     assert check["class"] == "AdamW8bit"
     assert check["every_param_has_state"] and check["identical_after_load"], check
     assert check["params_with_8bit_state"] == 2  # the 8-bit state needs 4096+ elements: not the bias
