@@ -431,9 +431,9 @@ def quantization_note(cell: dict) -> str | None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\n".join(table_lines(rows)))
+    print("\n".join(table_lines(rows)), flush=True)
     for note in filter(None, map(quantization_note, rows)):
-        print(note)
+        print(note, flush=True)
 
 
 def loss_check(root: Path, steps: int) -> dict:
@@ -610,15 +610,9 @@ def main() -> None:
     for shape in args.only:
         if shape == "glm":
             results["rows"].append(measure_glm(root, impls, args.steps))
-        else:
-            done = list(results["rows"])
-
-            def progress(cells: list[dict], done: list[dict] = done) -> None:
-                save_results(root, {**results, "rows": done + cells})
-
-            results["rows"] = done + measure(
-                root, shape, impls, args.steps, args.anchors, args.repeat, progress
-            )
+        else:  # after each repeat, the rows so far: results["rows"] grows only when measure returns
+            progress = lambda cells: save_results(root, {**results, "rows": results["rows"] + cells})  # noqa: E731
+            results["rows"] += measure(root, shape, impls, args.steps, args.anchors, args.repeat, progress)
         save_results(root, results)
     if results["rows"]:
         print_table(results["rows"])
@@ -630,7 +624,7 @@ def main() -> None:
         save_results(root, results)
     if args.resume_check:
         results["resume_check"] = resume_check(root)
-        print("RESUME", json.dumps(results["resume_check"]))
+        print("RESUME", json.dumps(results["resume_check"]), flush=True)
         save_results(root, results)
     for optimizer in args.optimizer_check:
         check = resume_check(root, optimizer=optimizer, noise_floor=True)
