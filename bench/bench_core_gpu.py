@@ -548,7 +548,10 @@ def save_results(root: Path, results: dict) -> None:
     """Written after every row and check, so a call cut off by its time limit still returns what it measured."""
     (root / "bench_core_gpu.json").write_text(json.dumps(results, indent=2))
     if os.environ.get("OUT"):
-        shutil.copy(root / "bench_core_gpu.json", Path(os.environ["OUT"]) / "bench_core_gpu.json")
+        try:  # a run left going in the background outlives its call's $OUT; the copy under --out stays
+            shutil.copy(root / "bench_core_gpu.json", Path(os.environ["OUT"]) / "bench_core_gpu.json")
+        except OSError:
+            pass
 
 
 def comma_list(allowed: tuple[str, ...], what: str):
