@@ -12,6 +12,12 @@ script feeds random tokens of the same shape (throughput does not depend on toke
     python bench/bench_core_gpu.py --only qwen3 --impl ours,ref,liger --out /tmp/bench
     python bench/bench_core_gpu.py --loss-steps 200 --out /tmp/bench   # fast vs reference, per step
     python bench/bench_core_gpu.py --resume-check --out /tmp/bench     # SIGKILL mid-run, resume, compare
+    python bench/bench_core_gpu.py --anchors .anchors --repeat 3 --impl ours,unsloth   # medians of 3, alternating
+    python bench/bench_core_gpu.py --only glm --impl ours,hf --out /tmp/bench           # MoE QLoRA vs Trainer+PEFT
+    python bench/bench_core_gpu.py --optimizer-check adamw_8bit,paged_adamw_8bit --out /tmp/bench
+
+The host CPU of the GPU machines varies up to 2x between processes, so one run per cell is noisy: ``--repeat N``
+runs the kit and Unsloth N times, alternating, and reports medians with the range of the paired ratio.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from bench.optimizer_state import OPTIMIZERS, checkpoint_optimizer_check  # noqa: E402
 
 LLAMA_1B = {
     "architectures": ["LlamaForCausalLM"],
@@ -112,6 +120,7 @@ def model_dir(root: Path, name: str, config: dict, weights: bool = False) -> Pat
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16)
         model.save_pretrained(folder)
         del model
+        torch.cuda.empty_cache()  # this process stays alive, holding its cache, while the runs measure
     return folder
 
 
@@ -196,18 +205,25 @@ def run_ours(
         text=True,
         timeout=900,
     )
-    row = {"name": name, "impl": "ours", "wall_s": round(time.time() - started, 1)}
+    row = {"name": name, "impl": "ours", "run_dir": str(out), "wall_s": round(time.time() - started, 1)}
     if result.returncode != 0:
         return {**row, "error": (result.stderr or result.stdout)[-1500:]}
     return {**row, **summarise_run(out, warmup=5)}
 
 
-def run_hf(model: Path, steps: int, quantize: bool, checkpointing: bool, liger: bool) -> dict:
+def run_hf(
+    model: Path,
+    steps: int,
+    quantize: bool,
+    checkpointing: bool,
+    liger: bool,
+    targets: list[str] | None = None,
+) -> dict:
     """transformers' Trainer + PEFT (optionally with Liger's kernels) on the same model, rows and settings."""
     args = [sys.executable, str(REPO / "bench" / "hf_trainer_baseline.py"), "--model", str(model)]
     args += ["--train-file", str(long_documents(model.parent.parent))]
     args += ["--steps", str(steps)] + ["--qlora"] * quantize + ["--checkpointing"] * checkpointing
-    args += ["--liger"] * liger
+    args += ["--liger"] * liger + (["--targets", ",".join(targets)] if targets else [])
     try:
         result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
@@ -253,38 +269,131 @@ def run_unsloth(anchors: Path, steps: int, model: Path | None = None) -> dict[st
 SETTINGS = {"lora+gc": ("lora", True), "qlora+gc": ("qlora", True), "lora": ("lora", False)}
 SHAPES = {"llama": ("llama-1b", LLAMA_1B), "qwen3": ("qwen3-0.6b", QWEN3_06B)}
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTENTION = ALL_LINEAR[:4]  # glm4_moe's experts are fused 3-D parameters in transformers 5, not nn.Linear
 
 
-def measure(root: Path, shape: str, impls: set[str], steps: int, anchors: Path | None) -> list[dict]:
+def aggregate_runs(runs: list[dict]) -> dict:
+    """One cell from N repeats: median tokens/s, max peak GiB, each repeat's figures under ``*_runs`` in repeat
+    order (None where that repeat failed), so repeat i of two implementations can be paired, and each repeat's
+    whole row under ``runs``. A single run is returned as it is: one repeat reports what it always did."""
+    if len(runs) == 1:
+        return runs[0]
+
+    def ok(run: dict) -> bool:
+        return "error" not in run and bool(run.get("tokens_per_sec"))
+
+    cell = {
+        "repeats": len(runs),
+        "tokens_per_sec_runs": [run["tokens_per_sec"] if ok(run) else None for run in runs],
+        "peak_gib_runs": [run.get("peak_gib") if ok(run) else None for run in runs],
+        "runs": runs,
+    }
+    errors = [run.get("error", "no tokens/s") for run in runs if not ok(run)]
+    good = [run for run in runs if ok(run)]
+    if not good:
+        return {**cell, "error": errors[-1]}
+    peaks = [run["peak_gib"] for run in good if run.get("peak_gib") is not None]
+    return {
+        "tokens_per_sec": round(statistics.median(run["tokens_per_sec"] for run in good), 1),
+        "peak_gib": max(peaks) if peaks else None,
+        **cell,
+        **({"errors": errors} if errors else {}),
+    }
+
+
+def paired_ratio_range(a: dict, b: dict, key: str = "tokens_per_sec") -> tuple[float, float] | None:
+    """Min and max over repeats of a[i] / b[i] (repeat i of one against repeat i of the other, run back to
+    back on the same host), or None when there are no repeats to pair."""
+    pairs = [x / y for x, y in zip(a.get(f"{key}_runs") or [], b.get(f"{key}_runs") or []) if x and y]
+    return (min(pairs), max(pairs)) if pairs else None
+
+
+def format_ratio(a: dict, b: dict, key: str = "tokens_per_sec", with_range: bool = False) -> str:
+    """'1.05x' (ratio of the cells' figures: medians when repeated), with ' 0.98-1.12' after it when
+    ``with_range`` and both sides have paired repeats; '-' when either side has no figure."""
+    if not (a.get(key) and b.get(key)):
+        return "-"
+    text = f"{a[key] / b[key]:.2f}x"
+    spread = paired_ratio_range(a, b, key) if with_range else None
+    return f"{text} {spread[0]:.2f}-{spread[1]:.2f}" if spread else text
+
+
+def measure(
+    root: Path,
+    shape: str,
+    impls: set[str],
+    steps: int,
+    anchors: Path | None,
+    repeat: int = 1,
+    progress=None,
+) -> list[dict]:
+    """Each setting of one shape. The kit and Unsloth run ``repeat`` times, alternating (every kit setting,
+    then one Unsloth invocation, which covers all three settings), so host-speed drift hits both alike;
+    ref, hf and liger run once, in the first repeat. ``progress(cells)`` gets the cells so far after each
+    repeat (main saves them: a call cut off by its time limit keeps the repeats it finished)."""
     name, config = SHAPES[shape]
     model = model_dir(root / "models", name, config, weights=True)
-    rows = []
-    for setting, (method, gc) in SETTINGS.items():
-        cell = {"shape": shape, "setting": setting}
-        if "ours" in impls:
-            cell["ours"] = run_ours(root, f"{shape} {setting}", model, method, steps, gc, ALL_LINEAR)
-        if "ref" in impls:
-            cell["ref"] = run_ours(
-                root, f"{shape} {setting} ref", model, method, steps, gc, ALL_LINEAR, fast_path="off"
-            )
-        for impl, liger in (("hf", False), ("liger", True)):
-            if impl in impls:
-                cell[impl] = run_hf(model, steps, method == "qlora", gc, liger)
-        rows.append(cell)
-    if "unsloth" in impls and anchors is not None:
-        unsloth = run_unsloth(anchors, steps, None if shape == "llama" else model)
-        for cell in rows:
-            cell["unsloth"] = unsloth.get(cell["setting"], {"error": "no result"})
-    return rows
+    cells = {setting: {"shape": shape, "setting": setting} for setting in SETTINGS}
+    ours: dict[str, list[dict]] = {setting: [] for setting in SETTINGS}
+    unsloth: dict[str, list[dict]] = {setting: [] for setting in SETTINGS}
+    for i in range(repeat):
+        tag = "" if i == 0 else f" r{i + 1}"
+        for setting, (method, gc) in SETTINGS.items():
+            cell = cells[setting]
+            if "ours" in impls:
+                run = run_ours(root, f"{shape} {setting}{tag}", model, method, steps, gc, ALL_LINEAR)
+                ours[setting].append(run)
+            if i > 0:
+                continue
+            if "ref" in impls:
+                cell["ref"] = run_ours(
+                    root, f"{shape} {setting} ref", model, method, steps, gc, ALL_LINEAR, fast_path="off"
+                )
+            for impl, liger in (("hf", False), ("liger", True)):
+                if impl in impls:
+                    cell[impl] = run_hf(model, steps, method == "qlora", gc, liger)
+        if "unsloth" in impls and anchors is not None:
+            rows = run_unsloth(anchors, steps, None if shape == "llama" else model)
+            for setting in SETTINGS:
+                unsloth[setting].append(rows.get(setting, {"error": "no result"}))
+        for setting, cell in cells.items():
+            for impl, runs in (("ours", ours[setting]), ("unsloth", unsloth[setting])):
+                if runs:
+                    cell[impl] = aggregate_runs(runs)
+        if progress is not None:
+            progress(list(cells.values()))
+    return list(cells.values())
 
 
-def print_table(rows: list[dict]) -> None:
-    impls = ["ours", "ref", "hf", "liger", "unsloth"]
-    print(f"{'shape':<7}{'setting':<10}" + "".join(f"{i + ' tok/s | GiB':>24}" for i in impls), end="")
-    print(f"{'ours/unsloth':>14}{'ours/liger':>12}{'mem/unsloth':>13}")
+def measure_glm(root: Path, impls: set[str], steps: int) -> dict:
+    """Scaled-down glm4_moe, QLoRA + checkpointing on the attention projections: the kit (fast and
+    reference path) against Trainer + PEFT with the same targets (Liger and Unsloth have no glm4_moe row)."""
+    glm = model_dir(root / "models", "glm4-moe-small", GLM_SMALL)
+    cell = {"shape": "glm", "setting": "qlora+gc"}
+    if "ours" in impls:
+        cell["ours"] = run_ours(root, "glm qlora+gc", glm, "qlora", steps, True, ATTENTION)
+    if "ref" in impls:
+        cell["ref"] = run_ours(
+            root, "glm qlora+gc ref", glm, "qlora", steps, True, ATTENTION, fast_path="off"
+        )
+    if "hf" in impls:
+        cell["hf"] = run_hf(glm, steps, True, True, False, targets=ATTENTION)
+    return cell
+
+
+IMPLS = ["ours", "ref", "hf", "liger", "unsloth"]
+
+
+def table_lines(rows: list[dict]) -> list[str]:
+    """The printed table: tokens/s | peak GiB per implementation, then ratios of the kit to the others.
+    With repeats, ours/unsloth also shows the min-max of the per-repeat (paired) ratio."""
+    spread = any(paired_ratio_range(c.get("ours") or {}, c.get("unsloth") or {}) for c in rows)
+    width = 20 if spread else 14
+    head = f"{'shape':<7}{'setting':<10}" + "".join(f"{i + ' tok/s | GiB':>24}" for i in IMPLS)
+    lines = [head + f"{'ours/unsloth':>{width}}{'ours/liger':>12}{'ours/hf':>9}{'mem/unsloth':>13}"]
     for cell in rows:
         line = f"{cell['shape']:<7}{cell['setting']:<10}"
-        for impl in impls:
+        for impl in IMPLS:
             r = cell.get(impl)
             if not r:
                 line += f"{'':>24}"
@@ -292,18 +401,39 @@ def print_table(rows: list[dict]) -> None:
                 line += f"{'ERROR':>24}"
             else:
                 line += f"{r['tokens_per_sec']:>14,.0f} | {r['peak_gib']:>5.2f}".rjust(24)
-        ours, liger, unsloth = (cell.get(k) or {} for k in ("ours", "liger", "unsloth"))
-
-        def ratio(a, b, key):
-            return f"{a[key] / b[key]:.2f}x" if a.get(key) and b.get(key) else "-"
-
-        line += f"{ratio(ours, unsloth, 'tokens_per_sec'):>14}{ratio(ours, liger, 'tokens_per_sec'):>12}"
-        line += f"{ratio(ours, unsloth, 'peak_gib'):>13}"
-        print(line)
+        ours, liger, hf, unsloth = (cell.get(k) or {} for k in ("ours", "liger", "hf", "unsloth"))
+        line += f"{format_ratio(ours, unsloth, with_range=True):>{width}}{format_ratio(ours, liger):>12}"
+        line += f"{format_ratio(ours, hf):>9}{format_ratio(ours, unsloth, 'peak_gib'):>13}"
+        lines.append(line)
+    if spread:
+        lines.append(
+            "ours/unsloth: ratio of median tokens/s, then min-max of repeat i of ours over repeat i of unsloth"
+        )
     for cell in rows:
-        for impl in ("ours", "ref", "hf", "liger", "unsloth"):
-            if (cell.get(impl) or {}).get("error"):
-                print(f"ERROR {cell['shape']} {cell['setting']} {impl}: {cell[impl]['error'][-600:]}")
+        for impl in IMPLS:
+            r = cell.get(impl) or {}
+            for error in r.get("errors") or ([r["error"]] if "error" in r else []):
+                lines.append(f"ERROR {cell['shape']} {cell['setting']} {impl}: {error[-600:]}")
+    return lines
+
+
+def quantization_note(cell: dict) -> str | None:
+    """Where Trainer + PEFT left fused expert weights out of 4-bit (glm4_moe): how much of each row is 4-bit."""
+    hf = cell.get("hf") or {}
+    if not hf.get("unquantized_expert_bytes"):
+        return None
+    shares = [
+        f"{impl} {r['quantized_params'] / 1e6:,.0f}M of {r['total_params'] / 1e6:,.0f}M params in 4-bit"
+        for impl, r in (("ours", cell.get("ours") or {}), ("hf", hf))
+        if r.get("quantized_params") is not None and r.get("total_params")
+    ]
+    return f"NOTE {cell['shape']} {cell['setting']}: " + "; ".join(shares + [f"hf: {hf.get('note', '')}"])
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n".join(table_lines(rows)), flush=True)
+    for note in filter(None, map(quantization_note, rows)):
+        print(note, flush=True)
 
 
 def loss_check(root: Path, steps: int) -> dict:
@@ -326,61 +456,167 @@ def loss_check(root: Path, steps: int) -> dict:
     }
 
 
-def resume_check(root: Path, steps: int = 20, kill_after: int = 10) -> dict:
-    """The fast path resumes exactly: SIGKILL once checkpoint-``kill_after`` exists, re-run, compare losses."""
-    model = model_dir(root / "models", *SHAPES["llama"], weights=True)
-    straight = run_ours(root, "resume straight", model, "lora", steps, True, ALL_LINEAR)
-    out = root / "resume_killed"
-    shutil.rmtree(out, ignore_errors=True)
-    config = trainer_config(
-        out, model, "lora", steps, True, ALL_LINEAR, **{"training.save_steps": kill_after}
-    )
-    cmd = [sys.executable, "-m", "trainer", "train", "--config", str(config)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    while proc.poll() is None and not (out / f"checkpoint-{kill_after}").exists():
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    resumed = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    if resumed.returncode != 0 or "error" in straight:
-        return {"error": (resumed.stderr or "")[-1500:] or straight.get("error")}
+def max_loss_diff(a: dict[int, float], b: dict[int, float], steps: range) -> tuple[int, float | None]:
+    """(steps compared, max |a - b|) over the steps of ``steps`` that both runs logged."""
+    diffs = [abs(a[s] - b[s]) for s in steps if s in a and s in b]
+    return len(diffs), (max(diffs) if diffs else None)
+
+
+def losses_by_step(run: Path) -> dict[int, float]:
+    """Step -> loss of a run folder; a step replayed after a resume counts once, its last record."""
     from trainer.runfolder import iter_records, last_per_step
 
-    after = {r["step"]: r for r in last_per_step(list(iter_records(out / "logs" / "training_log.jsonl")))}
-    diffs = [
-        abs(after[i + 1]["loss"] - straight["losses"][i]) for i in range(kill_after, steps) if i + 1 in after
-    ]
-    return {"compared_steps": len(diffs), "max_abs_diff": max(diffs) if diffs else None}
+    return {
+        r["step"]: r["loss"] for r in last_per_step(list(iter_records(run / "logs" / "training_log.jsonl")))
+    }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def kill_and_resume(root: Path, name: str, config: Path, kill_after: int, optimizer: str) -> dict:
+    """Train, SIGKILL once checkpoint-``kill_after`` exists, check its optimizer state, run the same command
+    again (which resumes from it). Returns the run folder's per-step losses and what happened."""
+    out = root / name
+    cmd = [sys.executable, "-m", "trainer", "train", "--config", str(config)]
+    with (root / f"{name}.first.log").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 900
+        while (
+            proc.poll() is None and not (out / f"checkpoint-{kill_after}").exists() and time.time() < deadline
+        ):
+            time.sleep(0.05)
+        finished_first = proc.poll() is not None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    if not (out / f"checkpoint-{kill_after}").exists():
+        return {"error": f"no checkpoint-{kill_after}: " + (root / f"{name}.first.log").read_text()[-1500:]}
+    report = {
+        "killed_after_step": max(losses_by_step(out), default=0),
+        "first_run_finished_before_kill": finished_first,
+        "optimizer_state": checkpoint_optimizer_check(out / f"checkpoint-{kill_after}", optimizer),
+    }
+    try:
+        resumed = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return {**report, "error": "resumed run timed out"}
+    if resumed.returncode != 0:
+        return {**report, "error": (resumed.stderr or resumed.stdout)[-1500:]}
+    from trainer.runfolder import iter_records
+
+    events = list(iter_records(out / "logs" / "events.jsonl"))
+    report["resumed_from_step"] = next((e.get("step") for e in events if e["event"] == "resume"), None)
+    return {**report, "losses": losses_by_step(out)}
+
+
+def resume_check(
+    root: Path,
+    steps: int = 20,
+    kill_after: int = 10,
+    optimizer: str = "adamw",
+    noise_floor: bool = False,
+    model: Path | None = None,
+    extra: dict | None = None,
+) -> dict:
+    """Resume is exact up to GPU noise: one uninterrupted run, one SIGKILLed once checkpoint-``kill_after``
+    exists and re-run, losses of steps after the kill compared. ``noise_floor``: a second uninterrupted run
+    gives the run-to-run difference of bf16 kernels (not bitwise reproducible) to read the first against.
+    Every run saves at ``kill_after``, so all do the same work. ``model`` (default: the Llama-1B shape, whose
+    LoRA tensors are large enough for bitsandbytes' 8-bit state) and ``extra`` (section.key overrides)
+    let a CPU test run the same code on a tiny model."""
+    model = model or model_dir(root / "models", *SHAPES["llama"], weights=True)
+    tag = "resume" if optimizer == "adamw" else f"optim_{optimizer}"
+    extra = {**(extra or {}), "training.save_steps": kill_after, "optimization.optimizer": optimizer}
+    result: dict = {"optimizer": optimizer, "steps": steps, "kill_after": kill_after}
+    straight = run_ours(root, f"{tag} straight", model, "lora", steps, True, ALL_LINEAR, **extra)
+    if "error" in straight:
+        return {**result, "error": straight["error"]}
+    result.update(tokens_per_sec=straight["tokens_per_sec"], peak_gib=straight["peak_gib"])
+    base = losses_by_step(Path(straight["run_dir"]))
+    after = range(kill_after + 1, steps + 1)
+    if noise_floor:
+        again = run_ours(root, f"{tag} straight again", model, "lora", steps, True, ALL_LINEAR, **extra)
+        if "error" in again:
+            return {**result, "error": again["error"]}
+        result["noise_floor"] = max_loss_diff(base, losses_by_step(Path(again["run_dir"])), after)[1]
+    config = trainer_config(root / f"{tag}_killed", model, "lora", steps, True, ALL_LINEAR, **extra)
+    shutil.rmtree(root / f"{tag}_killed", ignore_errors=True)
+    killed = kill_and_resume(root, f"{tag}_killed", config, kill_after, optimizer)
+    losses = killed.pop("losses", {})
+    compared, worst = max_loss_diff(base, losses, after)
+    return {**result, "compared_steps": compared, "max_abs_diff": worst, **killed}
+
+
+def save_results(root: Path, results: dict) -> None:
+    """Written after every row and check, so a call cut off by its time limit still returns what it measured."""
+    (root / "bench_core_gpu.json").write_text(json.dumps(results, indent=2))
+    if os.environ.get("OUT"):
+        try:  # a run left going in the background outlives its call's $OUT; the copy under --out stays
+            shutil.copy(root / "bench_core_gpu.json", Path(os.environ["OUT"]) / "bench_core_gpu.json")
+        except OSError:
+            pass
+
+
+def comma_list(allowed: tuple[str, ...], what: str):
+    """An argparse type: a comma-separated list of ``allowed`` names, refused with the one that is not."""
+
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        wrong = [n for n in names if n not in allowed]
+        if wrong or not names:
+            raise argparse.ArgumentTypeError(
+                f"{what} '{(wrong or [text])[0]}': expected {', '.join(allowed)}"
+            )
+        return names
+
+    return parse
+
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': expected a whole number of at least 1")
+    return int(text)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--out", default="/tmp/bench-core")
-    parser.add_argument("--only", default="llama", help="comma-separated shapes: llama, qwen3, glm")
-    parser.add_argument("--impl", default="ours,ref,hf,liger,unsloth")
+    parser.add_argument(
+        "--only", default="llama", type=comma_list((*SHAPES, "glm"), "shape"), help="llama, qwen3, glm"
+    )
+    parser.add_argument("--impl", default="ours,ref,hf,liger,unsloth", type=comma_list(tuple(IMPLS), "impl"))
     parser.add_argument("--anchors", type=Path, help="folder with unsloth_bench.py (../shared/anchors)")
+    parser.add_argument(
+        "--repeat",
+        type=positive,
+        default=1,
+        help="llama/qwen3: run ours and unsloth N times, alternating; medians and the paired-ratio range",
+    )
     parser.add_argument(
         "--loss-steps", type=int, default=0, help="compare per-step losses, fast vs reference"
     )
     parser.add_argument("--resume-check", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--optimizer-check",
+        type=comma_list(OPTIMIZERS, "optimizer"),
+        default=[],
+        help="comma list of optimization.optimizer values: for each, 20 steps straight twice (the noise "
+        "floor) and once SIGKILLed after checkpoint-10 and resumed; losses, speed, optimizer state",
+    )
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
-    impls = set(args.impl.split(","))
-    results: dict = {"rows": []}
-    for shape in args.only.split(","):
+    impls = set(args.impl)
+    results: dict = {"rows": [], "repeat": args.repeat}
+    for shape in args.only:
         if shape == "glm":
-            glm = model_dir(root / "models", "glm4-moe-small", GLM_SMALL)
-            attn = ALL_LINEAR[:4]
-            cell = {"shape": "glm", "setting": "qlora+gc"}
-            cell["ours"] = run_ours(root, "glm qlora+gc", glm, "qlora", args.steps, True, attn)
-            cell["ref"] = run_ours(
-                root, "glm qlora+gc ref", glm, "qlora", args.steps, True, attn, fast_path="off"
-            )
-            results["rows"].append(cell)
-        elif shape in SHAPES:
-            results["rows"] += measure(root, shape, impls, args.steps, args.anchors)
+            results["rows"].append(measure_glm(root, impls, args.steps))
+        else:  # after each repeat, the rows so far: results["rows"] grows only when measure returns
+            progress = lambda cells: save_results(root, {**results, "rows": results["rows"] + cells})  # noqa: E731
+            results["rows"] += measure(root, shape, impls, args.steps, args.anchors, args.repeat, progress)
+        save_results(root, results)
     if results["rows"]:
         print_table(results["rows"])
     if args.loss_steps:
@@ -388,12 +624,17 @@ def main() -> None:
         print(
             "LOSS", json.dumps({k: v for k, v in results["loss_check"].items() if not k.endswith("losses")})
         )
+        save_results(root, results)
     if args.resume_check:
         results["resume_check"] = resume_check(root)
-        print("RESUME", json.dumps(results["resume_check"]))
-    (root / "bench_core_gpu.json").write_text(json.dumps(results, indent=2))
-    if os.environ.get("OUT"):
-        shutil.copy(root / "bench_core_gpu.json", Path(os.environ["OUT"]) / "bench_core_gpu.json")
+        print("RESUME", json.dumps(results["resume_check"]), flush=True)
+        save_results(root, results)
+    for optimizer in args.optimizer_check:
+        check = resume_check(root, optimizer=optimizer, noise_floor=True)
+        results.setdefault("optimizer_check", []).append(check)
+        print("OPTIM", json.dumps(check), flush=True)
+        save_results(root, results)
+    save_results(root, results)
 
 
 if __name__ == "__main__":
