@@ -554,13 +554,14 @@ def save_results(root: Path, results: dict) -> None:
             pass
 
 
-def comma_list(allowed: tuple[str, ...], what: str):
-    """An argparse type: a comma-separated list of ``allowed`` names, refused with the one that is not."""
+def comma_list(allowed: tuple[str, ...], what: str, empty_ok: bool = False):
+    """An argparse type: a comma-separated list of ``allowed`` names, refused with the one that is not;
+    ``empty_ok``: "" is no names (``--only ""`` runs only the loss, resume or optimizer checks)."""
 
     def parse(text: str) -> list[str]:
         names = [n for n in text.split(",") if n]
         wrong = [n for n in names if n not in allowed]
-        if wrong or not names:
+        if wrong or not (names or empty_ok):
             raise argparse.ArgumentTypeError(
                 f"{what} '{(wrong or [text])[0]}': expected {', '.join(allowed)}"
             )
@@ -580,7 +581,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--out", default="/tmp/bench-core")
     parser.add_argument(
-        "--only", default="llama", type=comma_list((*SHAPES, "glm"), "shape"), help="llama, qwen3, glm"
+        "--only",
+        default="llama",
+        type=comma_list((*SHAPES, "glm"), "shape", empty_ok=True),
+        help='llama, qwen3, glm ("": none, for --loss-steps / --resume-check alone)',
     )
     parser.add_argument("--impl", default="ours,ref,hf,liger,unsloth", type=comma_list(tuple(IMPLS), "impl"))
     parser.add_argument("--anchors", type=Path, help="folder with unsloth_bench.py (../shared/anchors)")

@@ -32,6 +32,16 @@ from bench_core_gpu import LLAMA_1B, model_dir  # noqa: E402
 from trainer.runfolder import iter_records  # noqa: E402
 
 
+def corpus(root: Path, copies: int) -> Path:
+    """The shipped corpus ``copies`` times over: its ~123 rows of 2048 tokens are fewer than one step of
+    64-row micro-batches on two processes needs, and a run refused for too little data shows no OOM."""
+    if copies <= 1:
+        return REPO / "data" / "tiny_corpus.jsonl"
+    path = root / f"tiny_corpus_x{copies}.jsonl"
+    path.write_text((REPO / "data" / "tiny_corpus.jsonl").read_text() * copies)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="/tmp/oom-demo")
@@ -47,7 +57,7 @@ def main() -> None:
     model = model_dir(root / "models", "llama-1b", LLAMA_1B)
     run = root / "run"
     cfg = {
-        "paths": {"output_dir": str(run), "train_file": str(REPO / "data" / "tiny_corpus.jsonl")},
+        "paths": {"output_dir": str(run), "train_file": str(corpus(root, args.processes))},
         "model": {"name_or_path": str(model), "random_init": True},
         "training": {
             "method": "lora",

@@ -1,0 +1,126 @@
+"""How far apart can a GLA model's LoRA gradients be when only its GLA op is off by 1e-3? (CPU)
+
+Why: on an H100, ``bench_families.py``'s fp32 check put the whole GLA-340M model's LoRA gradients through
+fla's ``chunk_gla`` 24.8% away from the same model through fla's naive recurrence, while the op alone
+(``check_gla_kernels.py``, same card) was only 1.2e-3 away (Triton's TF32 dots; ``fused_recurrent_gla``:
+4e-7). This asks whether the model turns a 1e-3 op error into a 25% gradient difference by itself: it runs
+the model on CPU through the naive op (the reference), then again with that op's output and input
+gradients each perturbed by random noise of relative size ``--eps``, and reports the check's two figures
+(largest logit difference, relative difference of all LoRA gradients). ``--eps 0`` with ``--fp64`` gives
+fp32's own rounding against fp64.
+
+    python bench/gla_sensitivity.py --eps 1.2e-3 --out /tmp/gla_sensitivity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+
+def noisy(tensor, eps: float, gen):
+    import torch
+
+    if eps == 0:
+        return tensor
+    noise = torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype)
+    return tensor + noise * (eps * tensor.norm() / noise.norm())
+
+
+@contextlib.contextmanager
+def perturbed_gla_op(eps: float, seed: int = 0):
+    """fla's GLA layer calls its op through module globals; put a noisy naive op there."""
+    import fla.layers.gla as layer
+    import torch
+
+    from trainer.families.gla import naive_gla
+
+    gen = torch.Generator().manual_seed(seed)
+
+    class Noisy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, o):
+            return noisy(o, eps, gen)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return noisy(grad, eps, gen)
+
+    def op(q, k, v, *args, **kwargs):
+        q, k, v = (Noisy.apply(t) for t in (q, k, v))  # the op's input gradients come back perturbed
+        o, state = naive_gla(q, k, v, *args, **kwargs)
+        return Noisy.apply(o), state
+
+    saved = (layer.chunk_gla, layer.fused_chunk_gla, layer.fused_recurrent_gla)
+    layer.chunk_gla = layer.fused_chunk_gla = layer.fused_recurrent_gla = op
+    try:
+        yield
+    finally:
+        layer.chunk_gla, layer.fused_chunk_gla, layer.fused_recurrent_gla = saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from bench_families import GLA_340M, VOCAB, Row, kit_config, model_dir
+    from trainer.model.loading import load_for_training
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--eps", type=float, default=1.2e-3)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=GLA_340M["num_hidden_layers"])
+    parser.add_argument("--lora-b-std", type=float, default=0.02, help="B as after some training (0: init)")
+    parser.add_argument("--fp64", action="store_true", help="the perturbed run in fp64 instead (eps 0: rounding)")
+    parser.add_argument("--out", default="gla_sensitivity.json")
+    args = parser.parse_args(argv)
+
+    folder = model_dir(Path(tempfile.mkdtemp()), {**GLA_340M, "num_hidden_layers": args.layers})
+    row = Row("gla sensitivity", GLA_340M, "lora", "all-linear", 1)
+    cfg = kit_config(folder, row, args.seq, smoke=True)  # fp32 weights
+    torch.manual_seed(0)
+    model = load_for_training(cfg, torch.device("cpu")).model
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, args.lora_b_std)
+    model.train()
+    ids = torch.randint(3, VOCAB, (1, args.seq), generator=torch.Generator().manual_seed(1))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def forward_backward():
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=ids).logits
+        torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
+        grads = torch.cat([p.grad.flatten().double() for p in trainable if p.grad is not None])
+        return logits.detach().double(), grads
+
+    ref_logits, ref_grads = forward_backward()
+    if args.fp64:
+        model.double()
+    with perturbed_gla_op(args.eps):
+        logits, grads = forward_backward()
+    result = {
+        "eps": args.eps,
+        "fp64": args.fp64,
+        "layers": args.layers,
+        "seq": args.seq,
+        "lora_b_std": args.lora_b_std,
+        "max_abs_logit_diff": float((logits - ref_logits).abs().max()),
+        "max_abs_logit": float(ref_logits.abs().max()),
+        "grad_rel_diff": float((grads - ref_grads).norm() / ref_grads.norm()),
+    }
+    print(json.dumps(result), flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
