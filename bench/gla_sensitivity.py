@@ -69,8 +69,8 @@ def perturbed_gla_op(eps: float, seed: int = 0):
 
 def main(argv: list[str] | None = None) -> int:
     import torch
-
     from bench_families import GLA_340M, VOCAB, Row, kit_config, model_dir
+
     from trainer.model.loading import load_for_training
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--layers", type=int, default=GLA_340M["num_hidden_layers"])
     parser.add_argument("--lora-b-std", type=float, default=0.02, help="B as after some training (0: init)")
-    parser.add_argument("--fp64", action="store_true", help="the perturbed run in fp64 instead (eps 0: rounding)")
+    parser.add_argument(
+        "--fp64", action="store_true", help="the perturbed run in fp64 instead (eps 0: rounding)"
+    )
     parser.add_argument("--out", default="gla_sensitivity.json")
     args = parser.parse_args(argv)
 

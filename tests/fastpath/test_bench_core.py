@@ -211,6 +211,7 @@ def test_arguments_are_checked_with_one_line_naming_the_bad_value(capsys):
     assert (args.repeat, args.only, args.optimizer_check) == (1, ["llama"], [])
     args = bench.parse_args(["--repeat", "3", "--only", "qwen3,glm", "--optimizer-check", "adamw_8bit"])
     assert (args.repeat, args.only, args.optimizer_check) == (3, ["qwen3", "glm"], ["adamw_8bit"])
+    assert bench.parse_args(["--only", "", "--loss-steps", "200"]).only == []  # the checks alone
     for argv, message in (
         (["--optimizer-check", "adamw_8bit,sgd"], "optimizer 'sgd': expected adamw, adamw_8bit"),
         (["--repeat", "0"], "'0': expected a whole number of at least 1"),

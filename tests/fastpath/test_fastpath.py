@@ -510,3 +510,26 @@ def test_offloading_follows_the_memory_setting(write_config, monkeypatch):
         )
         loading.load_for_training(cfg, torch.device("cpu"))
         assert seen[-1] == {"offload": expected}, memory
+
+
+def test_offloaded_checkpointing_hands_a_tuple_returning_layer_to_torchs_own():
+    """A layer returning more than its hidden states (e.g. attention weights) cannot be routed: it gets
+    PyTorch's checkpointing, with the same gradients, from its first call on."""
+    from trainer.fastpath.offload import OffloadedCheckpoint
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def run(hidden):
+        return torch.tanh(layer(hidden)), None
+
+    run(x)[0].sum().backward()
+    expected = (x.grad.clone(), layer.weight.grad.clone())
+    x.grad = layer.weight.grad = None
+    func = OffloadedCheckpoint()
+    out, extra = func(run, x)
+    out.sum().backward()
+    assert func.plain and extra is None
+    assert torch.allclose(x.grad, expected[0]) and torch.allclose(layer.weight.grad, expected[1])
+    assert func.offloader.slots == []

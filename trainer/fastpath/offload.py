@@ -108,6 +108,10 @@ def _autocast_state(device_type: str) -> dict:
     }
 
 
+class NotOneTensor(TypeError):
+    """The layer returned something other than one tensor (a tuple with attention weights, say)."""
+
+
 class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, offloader, anchor, hidden):
@@ -117,9 +121,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.device.type == "cuda" else None
         out = run(hidden)
         if not isinstance(out, torch.Tensor):
-            raise TypeError(
-                f"offloaded checkpointing needs a decoder layer that returns one tensor, got {type(out).__name__}"
-            )
+            raise NotOneTensor(type(out).__name__)
         ctx.slot = offloader.push(hidden)
         return out
 
@@ -148,17 +150,28 @@ class OffloadedCheckpoint:
         # Makes the layer's output require grad even where its input does not (the first layer's input under
         # a frozen embedding), so the backward that computes the LoRA gradients is always reached.
         self.anchor = torch.empty(0, requires_grad=True)
+        self.plain = False
 
-    def __call__(self, run, hidden, *rest, **kwargs):
-        if not isinstance(hidden, torch.Tensor):
-            raise TypeError(
-                f"offloaded checkpointing expects the layer's hidden states first, got {type(hidden)}"
-            )
+    def __call__(self, run, *args, **kwargs):
+        if self.plain or not args or not isinstance(args[0], torch.Tensor):
+            return self.checkpoint(run, *args, **kwargs)
+        hidden, rest = args[0], args[1:]
         if (
             rest or kwargs
         ):  # the other inputs (masks, positions) are kept as they are: only the hidden states move
             run = functools.partial(_call_with, run, rest, kwargs)
-        return _OffloadedCheckpoint.apply(run, self.offloader, self.anchor, hidden)
+        try:
+            return _OffloadedCheckpoint.apply(run, self.offloader, self.anchor, hidden)
+        except NotOneTensor:
+            # A layer whose output this cannot route (a tuple): PyTorch's own checkpointing from now on.
+            self.plain = True
+            return self.checkpoint(run, hidden)
+
+    @staticmethod
+    def checkpoint(run, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
 def _call_with(run, rest, kwargs, hidden):
