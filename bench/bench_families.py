@@ -90,6 +90,9 @@ class Row:
     batch: int
     path: str = "best"  # "best": whatever the family picks; "reference": transformers' PyTorch code
     checkpointing: bool = False
+    method: str = (
+        "lora"  # training.method: lora, or qlora (NF4 base, the family's kernel-read modules kept 16-bit)
+    )
 
 
 def rows(args) -> list[Row]:
@@ -101,12 +104,15 @@ def rows(args) -> list[Row]:
         Row("mamba2-130m lora fast", MAMBA2_130M, "lora", None, b_m2),
         Row("mamba2-130m dora fast", MAMBA2_130M, "dora", None, b_m2),
         Row("mamba2-130m lora reference", MAMBA2_130M, "lora", None, b_m2, path="reference"),
+        Row("mamba2-130m qlora fast", MAMBA2_130M, "lora", None, b_m2, method="qlora"),
+        Row("mamba2-130m qlora reference", MAMBA2_130M, "lora", None, b_m2, path="reference", method="qlora"),
         # the reference scan keeps [batch, seq, d_inner, state] per layer: recompute layers to fit
         Row("mamba-130m lora fast", MAMBA_130M, "lora", None, b_m1, checkpointing=True),
         Row("mamba-130m dora fast", MAMBA_130M, "dora", None, b_m1, checkpointing=True),
         Row(
             "mamba-130m lora reference", MAMBA_130M, "lora", None, b_m1, path="reference", checkpointing=True
         ),
+        Row("mamba-130m qlora fast", MAMBA_130M, "lora", None, b_m1, checkpointing=True, method="qlora"),
     ]
 
 
@@ -179,7 +185,7 @@ def kit_config(folder: Path, row: Row, seq: int, smoke: bool):
                 "random_init": True,
                 "dtype": "fp32" if smoke else "bf16",
             },
-            "training": {"method": "lora", "seed": 0},
+            "training": {"method": row.method, "seed": 0},
             "lora": {
                 "r": 16,
                 "alpha": 32,
@@ -214,8 +220,8 @@ def reference_check(model, row: Row, device, vocab: int) -> dict | None:
     import torch
 
     kind = row.model["model_type"]
-    if device.type != "cuda" or row.path == "reference":
-        return None
+    if device.type != "cuda" or row.path == "reference" or row.method == "qlora":
+        return None  # (QLoRA: fp32 cannot hold the 4-bit weights; the LoRA row checks the same kernels)
     model.float()  # the row's last use of the model
     ids = torch.randint(3, vocab, (1, 512), device=device, generator=torch.Generator(device).manual_seed(1))
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -317,7 +323,8 @@ def run_row(row: Row, steps: int, seq: int, smoke: bool) -> dict:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    result = {"row": row.name, "variant": row.variant, "batch": row.batch, "seq": seq, "steps": steps}
+    result = {"row": row.name, "variant": row.variant, "method": row.method, "batch": row.batch, "seq": seq}
+    result["steps"] = steps
     result["gradient_checkpointing"] = row.checkpointing
     why = missing_kernels(row, cuda)
     if why:

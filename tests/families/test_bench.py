@@ -25,12 +25,20 @@ def test_bench_smoke_on_cpu_skips_missing_kernels_and_runs_the_reference(tmp_pat
     assert bench.main(args) == 0
     report = json.loads(out.read_text())
     rows = {r["row"]: r for r in report["rows"]}
-    assert list(rows) == ["mamba2-130m lora fast", "mamba2-130m dora fast", "mamba2-130m lora reference"]
-    for name in ("mamba2-130m lora fast", "mamba2-130m dora fast"):
+    assert list(rows) == [
+        "mamba2-130m lora fast",
+        "mamba2-130m dora fast",
+        "mamba2-130m lora reference",
+        "mamba2-130m qlora fast",
+        "mamba2-130m qlora reference",
+    ]
+    for name in ("mamba2-130m lora fast", "mamba2-130m dora fast", "mamba2-130m qlora fast"):
         assert rows[name]["status"] == "skipped" and "no fast Mamba-2 kernels" in rows[name]["reason"]
     reference = rows["mamba2-130m lora reference"]
     assert reference["status"] == "ok" and reference["kernel_path"] == "torch-reference"
     assert reference["tokens_per_s"] > 0 and reference["steps"] == 2 and reference["packing"] is False
+    qlora = rows["mamba2-130m qlora reference"]  # Mamba QLoRA (issue 14 item 3): 4-bit base, LoRA trains
+    assert qlora["status"] == "ok" and qlora["method"] == "qlora" and qlora["last_loss"] < qlora["first_loss"]
     assert report["environment"]["cuda"] is False and report["summary"] == []
     table = capsys.readouterr().out
     assert "mamba2-130m lora reference   torch-reference" in table and "SKIPPED: no fast Mamba-2" in table
