@@ -27,17 +27,19 @@ sys.path.insert(0, str(REPO / "bench"))
 
 
 def noisy(tensor, eps: float, gen):
+    """``tensor`` with each element off by a relative ``eps`` (random sign and size): the shape of a rounding
+    error (TF32 keeps 10 mantissa bits), whose norm-relative size is then ``eps`` as in check_gla_kernels."""
     import torch
 
     if eps == 0:
         return tensor
-    noise = torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype)
-    return tensor + noise * (eps * tensor.norm() / noise.norm())
+    return tensor * (1 + eps * torch.randn(tensor.shape, generator=gen, dtype=tensor.dtype))
 
 
 @contextlib.contextmanager
 def perturbed_gla_op(eps: float, seed: int = 0):
-    """fla's GLA layer calls its op through module globals; put a noisy naive op there."""
+    """fla's GLA layer calls its op through module globals; put a naive op there whose output (forward) and
+    input gradients (backward) carry an error of relative size ``eps``, as the Triton kernel's do."""
     import fla.layers.gla as layer
     import torch
 
@@ -45,19 +47,34 @@ def perturbed_gla_op(eps: float, seed: int = 0):
 
     gen = torch.Generator().manual_seed(seed)
 
-    class Noisy(torch.autograd.Function):
+    class OutputError(torch.autograd.Function):
         @staticmethod
         def forward(ctx, o):
             return noisy(o, eps, gen)
 
         @staticmethod
         def backward(ctx, grad):
+            return grad
+
+    class GradientError(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, grad):
             return noisy(grad, eps, gen)
 
     def op(q, k, v, *args, **kwargs):
-        q, k, v = (Noisy.apply(t) for t in (q, k, v))  # the op's input gradients come back perturbed
+        q, k, v = (GradientError.apply(t) for t in (q, k, v))
+        args = tuple(
+            GradientError.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args
+        )
+        for gate in ("gk", "g"):
+            if isinstance(kwargs.get(gate), torch.Tensor) and kwargs[gate].requires_grad:
+                kwargs[gate] = GradientError.apply(kwargs[gate])
         o, state = naive_gla(q, k, v, *args, **kwargs)
-        return Noisy.apply(o), state
+        return OutputError.apply(o), state
 
     saved = (layer.chunk_gla, layer.fused_chunk_gla, layer.fused_recurrent_gla)
     layer.chunk_gla = layer.fused_chunk_gla = layer.fused_recurrent_gla = op
