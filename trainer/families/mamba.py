@@ -90,9 +90,13 @@ def _mambapy_trains() -> bool:
     return "mamba_inner_fn" not in called
 
 
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
 def kernel_paths(hf_config) -> dict[str, str | None]:
     """This model type's paths, best first, each with why it cannot run here (None: it can)."""
-    cuda = torch.cuda.is_available()
+    cuda = _cuda_available()
     paths = {
         KERNEL_MAMBA_SSM: None
         if cuda and _importable("causal_conv1d") and _importable("mamba_ssm")
