@@ -116,12 +116,14 @@ class Family:
     (linear attention, convolutions) must say False unless they take explicit boundaries.
 
     Hooks, called in this order by ``loading.load_for_training`` and the step's loss (training/step.py):
-    ``configure(hf_config, cfg)`` returns the model config adjusted for this run and machine;
-    ``kernel_paths(hf_config)`` lists every implementation the family has for this model type, best first,
-    each with why it cannot run here (None when it can: the values ``model.kernel_path`` accepts);
-    ``kernel_checks(hf_config, path)`` gives that path's start-up self-checks (name -> ``check(device,
-    dtype)`` returning the largest relative error against the reference; empty for a reference path);
-    ``kernel_path(hf_config)`` names the implementation that will run (the ``model_report`` event);
+    ``configure(hf_config, cfg)`` returns the model config adjusted for this run and machine (whatever the
+    kernel path: it is chosen next); ``kernel_paths(hf_config)`` lists every implementation the family
+    has for this model type, best first, each with why it cannot run here (None when it can: the values
+    ``model.kernel_path`` accepts); ``kernel_checks(hf_config, path)`` gives that path's start-up
+    self-checks (name -> ``check(device, dtype)`` returning the largest relative error against the
+    reference; empty for a reference path), run on a GPU by trainer/model/kernel_choice.py;
+    ``kernel_path(hf_config)`` names the implementation that will run (``current_kernel_path``: the one
+    chosen, while the model is set up; the ``model_report`` event), and ``load`` binds its kernels;
     ``check_lora(cfg, hf_config, targets)`` raises ``ModelLoadError`` for LoRA settings the family
     cannot train, before any weights load; ``quantization_skip(hf_config, cfg)`` lists modules that
     bitsandbytes must leave unquantized; ``model_inputs(batch)`` turns a collated batch into the
