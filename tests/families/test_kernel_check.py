@@ -173,11 +173,14 @@ def test_a_forced_kernel_path_that_fails_its_check_stops_before_loading_with_exi
 @pytest.mark.parametrize(
     ("model", "forced", "message"),
     [
-        ("tiny-llama", "fla-triton", "model.kernel_path: 'fla-triton' is not a kernel path of causal models (llama); "
+        ("tiny-llama", "fla-triton",
+         "model.kernel_path: 'fla-triton' is not a kernel path of causal models (llama); "
          "expected one of: auto, transformers"),
-        ("tiny-mamba2", "mambapy", "model.kernel_path: 'mambapy' is not a kernel path of mamba models (mamba2); "
+        ("tiny-mamba2", "mambapy",
+         "model.kernel_path: 'mambapy' is not a kernel path of mamba models (mamba2); "
          "expected one of: auto, mamba_ssm, fla-triton-ssd, torch-reference"),
-        ("tiny-mamba", "mamba_ssm", "model.kernel_path: mamba_ssm cannot run here: needs a CUDA GPU with mamba_ssm"),
+        ("tiny-mamba", "mamba_ssm",
+         "model.kernel_path: mamba_ssm cannot run here: needs a CUDA GPU with mamba_ssm"),
     ],
 )  # fmt: skip
 def test_a_kernel_path_the_model_does_not_have_is_refused_before_loading(

@@ -5,9 +5,10 @@ first that can run here and passes its start-up self-check, trainer/families/mam
 ``model.kernel_path`` names one):
 
 - ``mamba_ssm``: transformers found the compiled mamba_ssm and causal_conv1d packages (CUDA only).
-- ``fla-triton-ssd`` (Mamba-2, CUDA, no mamba_ssm or mamba_ssm failed its check): the SSD scan is a scalar-gated linear attention,
-  so it runs as flash-linear-attention's Triton ``chunk_simple_gla``, the short convolution as fla's
-  Triton ``causal_conv1d``. No compiled extension is needed: fla and triton are pure-Python wheels.
+- ``fla-triton-ssd`` (Mamba-2, CUDA, no mamba_ssm or mamba_ssm failed its check): the SSD scan is a
+  scalar-gated linear attention, so it runs as flash-linear-attention's Triton ``chunk_simple_gla``, the
+  short convolution as fla's Triton ``causal_conv1d``. No compiled extension is needed: fla and triton
+  are pure-Python wheels.
 - ``mambapy`` (Mamba-1 without mamba_ssm): the mambapy package's parallel scan, pure PyTorch, about
   15x faster than the sequential reference loop on a CPU - but only where transformers' mixer trains
   through it; transformers 5.2x trains through ``mamba_inner_fn`` and uses mambapy for evaluation and

@@ -4,8 +4,8 @@ Which kernels a Mamba mixer calls depends on the path and on transformers' versi
 ``mamba_inner_fn``, Mamba-2 through ``mamba_split_conv1d_scan_combined`` on mamba_ssm, through fla's scan
 and convolution on ``fla-triton-ssd``), so the check runs the mixer itself rather than one op: a single
 layer of the model's own sizes, in training mode, on random input of the run's compute dtype, bound to the
-path's kernels (``mamba.kernels_of``; under autocast in 16 bits, as the loop runs it), against the same layer in fp32 on transformers' PyTorch functions
-(``mamba.reference_kernels``), output and every gradient (input and each parameter) compared as
+path's kernels (``mamba.kernels_of``; under autocast in 16 bits, as the loop runs it), against the same
+layer in fp32 on transformers' PyTorch functions (``mamba.reference_kernels``), output and every gradient (input and each parameter) compared as
 trainer/fastpath/selfcheck.py does. Mamba-2 runs one and a half of its chunks, so the state passed
 between chunks is exercised.
 """

@@ -1,4 +1,4 @@
-"""Which kernel path a run trains on: ``model.kernel_path``, each fast path checked against its reference first.
+"""Which kernel path a run trains on: ``model.kernel_path``, a fast path checked against its reference first.
 
 A family lists its paths, best first, with why each cannot run here (``Family.kernel_paths``: GLA
 ``fla-triton``, ``fla-naive-torch``; Mamba ``mamba_ssm``, ``fla-triton-ssd``, ``mambapy``,
