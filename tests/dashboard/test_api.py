@@ -452,3 +452,43 @@ def test_stats_say_which_kernels_trained_and_how_their_self_check_went(client, l
     kernels = get(client, "/api/stats")["kernels"]
     assert kernels["self_check_passed"] is False and kernels["self_check_failed"] == ["lora_linear"]
     assert kernels["summary"] == "reference path: kernel self-check FAILED (lora_linear)"
+
+
+def test_stats_name_a_family_kernel_path_and_its_self_check(client, log_root):
+    """GLA and Mamba runs: the header names the path that trained, checked or moved there by a failed check."""
+    events = log_root / DEMO / runfolder.LOGS_DIR / runfolder.EVENTS_LOG
+    checks = [
+        {"kernel": "chunk_gla", "error": 0.0012, "tolerance": 0.01, "passed": True},
+        {"kernel": "rms_norm", "error": 0.0004, "tolerance": 0.01, "passed": True},
+    ]
+    fast = {
+        "enabled": False,
+        "reason": "the gla family runs its own kernels (fla-triton)",
+        "self_check": checks,
+    }
+    report = {
+        "ts": time.time(),
+        "event": "model_report",
+        "step": 0,
+        "kernel_path": "fla-triton",
+        "fast_path": fast,
+    }
+    append(
+        events,
+        [report, {"ts": time.time(), "event": "kernel_check", "step": 0, "passed": True, "results": checks}],
+    )
+    kernels = get(client, "/api/stats")["kernels"]
+    assert kernels["summary"] == "kernels: fla-triton, checked (max error 1.2e-03)"
+    assert kernels["kernel_path"] == "fla-triton" and kernels["self_check_passed"] is True
+    failed = [{**checks[0], "error": 0.25, "passed": False}, checks[1]]
+    moved = {**report, "kernel_path": "fla-naive-torch", "fast_path": {**fast, "self_check": failed}}
+    append(
+        events,
+        [moved, {"ts": time.time(), "event": "kernel_check", "step": 0, "passed": False, "results": failed}],
+    )
+    kernels = get(client, "/api/stats")["kernels"]
+    assert kernels["summary"] == "kernels: fla-naive-torch, after a failed kernel self-check (chunk_gla)"
+    assert kernels["self_check_failed"] == ["chunk_gla"]
+    assert "after a failed kernel self-check (chunk_gla)" in client.get(f"/?run={DEMO}").get_data(
+        as_text=True
+    )

@@ -73,6 +73,14 @@ class ModelConfig:
     trust_remote_code: Bool = False
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     attn_implementation: Str | None = None
+    # The implementation that runs the sequence mixing (trainer/model/kernel_choice.py): auto takes the best
+    # one that runs here and passes its start-up self-check; a name forces it (and a failed check stops the
+    # run). Each family has its own names (their kernel_paths): causal transformers; GLA fla-triton,
+    # fla-naive-torch; Mamba mamba_ssm, fla-triton-ssd (Mamba-2), mambapy (Mamba-1), torch-reference.
+    kernel_path: Literal[
+        "auto", "transformers", "fla-triton", "fla-naive-torch", "mamba_ssm", "fla-triton-ssd", "mambapy",
+        "torch-reference",
+    ] = "auto"  # fmt: skip
 
 
 @dataclass(config=SECTION)

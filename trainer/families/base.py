@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,43 @@ def _transformers_kernels(hf_config) -> str:
     return "transformers"
 
 
+def _transformers_paths(hf_config) -> dict[str, str | None]:
+    return {"transformers": None}
+
+
+def _no_checks(hf_config, path: str) -> dict:
+    return {}
+
+
+# The kernel path chosen for each model type while a model is being set up (trainer/model/kernel_choice.py:
+# a failed self-check or ``model.kernel_path`` can move a run off the first usable path); the families'
+# ``kernel_path`` hooks answer with it, so every hook agrees on the path that will run.
+_CHOSEN: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def kernel_path_chosen(model_type: str, path: str):
+    """Within this block, ``current_kernel_path`` answers ``path`` for ``model_type``."""
+    previous = _CHOSEN.get(model_type)
+    _CHOSEN[model_type] = path
+    try:
+        yield
+    finally:
+        if previous is None:
+            _CHOSEN.pop(model_type, None)
+        else:
+            _CHOSEN[model_type] = previous
+
+
+def current_kernel_path(model_type: str, paths: dict[str, str | None]) -> str:
+    """The path chosen for this model type (see ``kernel_path_chosen``), else the first of ``paths`` (best
+    first; path -> why it cannot run here, None when it can) that can run here."""
+    chosen = _CHOSEN.get(model_type)
+    if chosen in paths:
+        return chosen
+    return next(path for path, why_not in paths.items() if why_not is None)
+
+
 @dataclass(frozen=True)
 class Family:
     """What the loop needs to know about a model family.
@@ -78,8 +116,14 @@ class Family:
     (linear attention, convolutions) must say False unless they take explicit boundaries.
 
     Hooks, called in this order by ``loading.load_for_training`` and the step's loss (training/step.py):
-    ``configure(hf_config, cfg)`` returns the model config adjusted for this run and machine;
-    ``kernel_path(hf_config)`` names the implementation that will run (the ``model_report`` event);
+    ``configure(hf_config, cfg)`` returns the model config adjusted for this run and machine (whatever the
+    kernel path: it is chosen next); ``kernel_paths(hf_config)`` lists every implementation the family
+    has for this model type, best first, each with why it cannot run here (None when it can: the values
+    ``model.kernel_path`` accepts); ``kernel_checks(hf_config, path)`` gives that path's start-up
+    self-checks (name -> ``check(device, dtype)`` returning the largest relative error against the
+    reference; empty for a reference path), run on a GPU by trainer/model/kernel_choice.py;
+    ``kernel_path(hf_config)`` names the implementation that will run (``current_kernel_path``: the one
+    chosen, while the model is set up; the ``model_report`` event), and ``load`` binds its kernels;
     ``check_lora(cfg, hf_config, targets)`` raises ``ModelLoadError`` for LoRA settings the family
     cannot train, before any weights load; ``quantization_skip(hf_config, cfg)`` lists modules that
     bitsandbytes must leave unquantized; ``model_inputs(batch)`` turns a collated batch into the
@@ -98,5 +142,7 @@ class Family:
     model_inputs: Callable[[dict], dict] = causal_inputs
     configure: Callable[[Any, Any], Any] = _same_config
     kernel_path: Callable[[Any], str] = _transformers_kernels
+    kernel_paths: Callable[[Any], dict[str, str | None]] = _transformers_paths
+    kernel_checks: Callable[[Any, str], dict] = _no_checks
     quantization_skip: Callable[[Any, Any], tuple[str, ...]] = _nothing_to_skip
     check_lora: Callable[[Any, Any, Any], None] = _nothing

@@ -1,9 +1,11 @@
-"""Gated Linear Attention through flash-linear-attention (fla), with a CPU path that really runs it.
+"""Gated Linear Attention through flash-linear-attention (fla), with a reference path that really runs it.
 
-fla's GLA ops and fused norms are Triton kernels, which need a GPU. Without CUDA this family swaps
-them, in the loaded model only, for PyTorch code: the GLA op for fla's own reference
+fla's GLA ops and fused norms are Triton kernels, which need a GPU. On the reference path (always without
+CUDA; on a GPU when the start-up self-check fails or ``model.kernel_path: fla-naive-torch`` says so) this
+family swaps them, in the loaded model only, for PyTorch code: the GLA op for fla's own reference
 (``fla.ops.gla.naive``) and each fused norm/activation module for the same maths in torch (same
-parameters, so checkpoints load and save unchanged). On CUDA, fla's kernels run untouched.
+parameters, so checkpoints load and save unchanged). On the Triton path, fla's kernels run untouched,
+after ``trainer/families/gla_checks.py`` has compared them with that reference on the run's GPU.
 
 GLA ignores ``position_ids``, so packed rows are cut at document boundaries with ``cu_seqlens``
 (fla's varlen mode, batch size 1): ``model_inputs`` flattens a packed micro-batch into one row.
@@ -17,11 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from trainer.families import register
-from trainer.families.base import Family, ModelLoadError
+from trainer.families.base import Family, ModelLoadError, current_kernel_path
 from trainer.families.extras import MODEL_TYPES
 
 KERNEL_TRITON = "fla-triton"
 KERNEL_REFERENCE = "fla-naive-torch"
+KERNEL_PATHS = (KERNEL_TRITON, KERNEL_REFERENCE)
+# The names fla.layers.gla binds its ops under (swapped for the reference path, put back for Triton).
+GLA_OPS = ("chunk_gla", "fused_chunk_gla", "fused_recurrent_gla")
 TORCH_ACTIVATIONS = {
     "swish": F.silu,
     "silu": F.silu,
@@ -41,12 +46,32 @@ def _import_fla():
         ) from exc
 
 
-def uses_reference_ops() -> bool:
-    return not torch.cuda.is_available()
+def _triton_runs() -> bool:
+    """Triton needs a GPU driver: without CUDA it has none ("0 active drivers")."""
+    return torch.cuda.is_available()
+
+
+def kernel_paths(hf_config) -> dict[str, str | None]:
+    return {
+        KERNEL_TRITON: None if _triton_runs() else "fla's Triton kernels need a CUDA GPU",
+        KERNEL_REFERENCE: None,
+    }
 
 
 def kernel_path(hf_config) -> str:
-    return KERNEL_REFERENCE if uses_reference_ops() else KERNEL_TRITON
+    return current_kernel_path(getattr(hf_config, "model_type", "gla"), kernel_paths(hf_config))
+
+
+def kernel_checks(hf_config, path: str) -> dict:
+    if path != KERNEL_TRITON:
+        return {}
+    from trainer.families import gla_checks
+
+    return gla_checks.checks(hf_config)
+
+
+def uses_reference_ops(hf_config) -> bool:
+    return kernel_path(hf_config) == KERNEL_REFERENCE
 
 
 def hopper_triton_suspect() -> str | None:
@@ -67,7 +92,7 @@ def hopper_triton_suspect() -> str | None:
     return None
 
 
-# ---------------------------------------------------------------- the CPU path
+# ---------------------------------------------------------------- the reference path
 
 
 def naive_gla(
@@ -133,7 +158,7 @@ def _torch_rms_norm(module, x, residual=None, prenorm=False, residual_in_fp32=Fa
 def _swap_to_torch(model, hidden_act: str) -> list[str]:
     """Give every Triton-backed fla module a torch forward (class swap: parameters stay as they are).
 
-    Returns the modules left without a CPU path."""
+    Returns the modules left without a torch version."""
     from fla.layers.gla import GatedLinearAttention
     from fla.modules import FusedRMSNormGated, GatedMLP, RMSNorm
 
@@ -173,10 +198,20 @@ def _swap_to_torch(model, hidden_act: str) -> list[str]:
 
 
 def use_reference_ops() -> None:
-    """Point fla's GLA layer at the reference op. Process-wide, and only ever done without CUDA."""
+    """Point fla's GLA layer at the reference op (process-wide, until ``use_triton_ops``)."""
     import fla.layers.gla as layer
 
-    layer.chunk_gla = layer.fused_chunk_gla = layer.fused_recurrent_gla = naive_gla
+    for name in GLA_OPS:
+        setattr(layer, name, naive_gla)
+
+
+def use_triton_ops() -> None:
+    """Point fla's GLA layer back at fla's kernels, wherever an earlier model in this process left it."""
+    import fla.layers.gla as layer
+    import fla.ops.gla as ops
+
+    for name in GLA_OPS:
+        setattr(layer, name, getattr(ops, name))
 
 
 # ---------------------------------------------------------------- the family
@@ -192,40 +227,49 @@ def configure(hf_config, cfg):
     if suspect:
         print(
             f"WARNING: gla's Triton kernels may compute wrong gradients with {suspect}: the kit's check saw "
-            "LoRA gradients 25% off fla's reference on an H100 with triton 3.6. Upgrade triton to >= 3.7.1, "
-            "or verify with bench/bench_families.py --only gla (the check column) before trusting a run.",
+            "LoRA gradients 25% off fla's reference on an H100 with triton 3.6. Upgrade triton to >= 3.7.1; "
+            "the start-up self-check (the kernel_check event) compares them with the reference on this GPU.",
             file=sys.stderr,
             flush=True,
         )
-    if uses_reference_ops():
-        # Fused (linear) cross-entropy is CUDA-only; the loop computes its own loss anyway.
-        hf_config.fuse_cross_entropy = False
-        hf_config.fuse_linear_cross_entropy = False
-        if getattr(hf_config, "attn", None) or getattr(hf_config, "attnres_block_size", None):
-            raise ModelLoadError(
-                "model: this GLA config mixes in softmax-attention or attnres layers, which have no CPU path "
-                "here; train it on a CUDA GPU"
-            )
     return hf_config
+
+
+def _reference_config(config) -> None:
+    """What the reference path needs of the model config, refused where it has no torch version."""
+    # Fused (linear) cross-entropy is Triton; the loop computes its own loss anyway.
+    config.fuse_cross_entropy = False
+    config.fuse_linear_cross_entropy = False
+    if getattr(config, "attn", None) or getattr(config, "attnres_block_size", None):
+        raise ModelLoadError(
+            "model: this GLA config mixes in softmax-attention or attnres layers, which have no "
+            f"{KERNEL_REFERENCE} path: they need fla's Triton kernels ({KERNEL_TRITON}) on a CUDA GPU"
+        )
 
 
 def load_gla(model_cfg, config, **kwargs):
     from transformers import AutoModelForCausalLM
 
     _import_fla()
+    reference = uses_reference_ops(config)
+    if reference:
+        _reference_config(config)
     if kwargs.pop("from_config", False):
         model = AutoModelForCausalLM.from_config(config, dtype=kwargs.get("dtype"))
     else:
         model = AutoModelForCausalLM.from_pretrained(
             model_cfg.name_or_path, config=config, revision=model_cfg.revision, **kwargs
         )
-    if uses_reference_ops():
-        use_reference_ops()
-        unsupported = _swap_to_torch(model, model.config.hidden_act)
-        if unsupported:
-            raise ModelLoadError(
-                f"model: GLA modules without a CPU path: {', '.join(unsupported[:3])}; train on a CUDA GPU"
-            )
+    if not reference:
+        use_triton_ops()
+        return model
+    use_reference_ops()
+    unsupported = _swap_to_torch(model, model.config.hidden_act)
+    if unsupported:
+        raise ModelLoadError(
+            f"model: GLA modules without a {KERNEL_REFERENCE} path: {', '.join(unsupported[:3])}; they need "
+            f"fla's Triton kernels ({KERNEL_TRITON}) on a CUDA GPU"
+        )
     return model
 
 
@@ -251,6 +295,8 @@ GLA = Family(
     model_inputs=model_inputs,
     configure=configure,
     kernel_path=kernel_path,
+    kernel_paths=kernel_paths,
+    kernel_checks=kernel_checks,
 )
 
 register(GLA)

@@ -1,11 +1,14 @@
 """Mamba (Mamba-1) and Mamba-2 through transformers, on the fastest kernels this machine has.
 
-Kernel paths, best first (the ``model_report`` event records which one ran, as ``kernel_path``):
+Kernel paths, best first (the ``model_report`` event records which one ran, as ``kernel_path``; on a GPU the
+first that can run here and passes its start-up self-check, trainer/families/mamba_checks.py, unless
+``model.kernel_path`` names one):
 
 - ``mamba_ssm``: transformers found the compiled mamba_ssm and causal_conv1d packages (CUDA only).
-- ``fla-triton-ssd`` (Mamba-2, CUDA, no mamba_ssm): the SSD scan is a scalar-gated linear attention,
-  so it runs as flash-linear-attention's Triton ``chunk_simple_gla``, the short convolution as fla's
-  Triton ``causal_conv1d``. No compiled extension is needed: fla and triton are pure-Python wheels.
+- ``fla-triton-ssd`` (Mamba-2, CUDA, no mamba_ssm or mamba_ssm failed its check): the SSD scan is a
+  scalar-gated linear attention, so it runs as flash-linear-attention's Triton ``chunk_simple_gla``, the
+  short convolution as fla's Triton ``causal_conv1d``. No compiled extension is needed: fla and triton
+  are pure-Python wheels.
 - ``mambapy`` (Mamba-1 without mamba_ssm): the mambapy package's parallel scan, pure PyTorch, about
   15x faster than the sequential reference loop on a CPU - but only where transformers' mixer trains
   through it; transformers 5.2x trains through ``mamba_inner_fn`` and uses mambapy for evaluation and
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.families import register
-from trainer.families.base import Family, ModelLoadError
+from trainer.families.base import Family, ModelLoadError, current_kernel_path
 from trainer.families.extras import MODEL_TYPES
 
 KERNEL_MAMBA_SSM = "mamba_ssm"
@@ -88,15 +91,45 @@ def _mambapy_trains() -> bool:
     return "mamba_inner_fn" not in called
 
 
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def kernel_paths(hf_config) -> dict[str, str | None]:
+    """This model type's paths, best first, each with why it cannot run here (None: it can)."""
+    cuda = _cuda_available()
+    paths = {
+        KERNEL_MAMBA_SSM: None
+        if cuda and _importable("causal_conv1d") and _importable("mamba_ssm")
+        else "needs a CUDA GPU with mamba_ssm and causal_conv1d importable (pip install -e .[mamba-kernels])"
+    }
+    if hf_config.model_type == "mamba2":
+        paths[KERNEL_FLA] = (
+            None if cuda and _fla_usable() else "needs a CUDA GPU with flash-linear-attention and triton"
+        )
+    else:
+        paths[KERNEL_MAMBAPY] = (
+            None
+            if _installed("mambapy") and _mambapy_trains()
+            else "needs mambapy and a transformers whose Mamba mixer trains through it"
+        )
+    paths[KERNEL_REFERENCE] = None
+    return paths
+
+
+def auto_kernel_path(hf_config) -> str:
+    """The best path this machine has, whatever this run chose (``kernel_path``)."""
+    return next(path for path, why_not in kernel_paths(hf_config).items() if why_not is None)
+
+
 def kernel_path(hf_config) -> str:
-    cuda = torch.cuda.is_available()
-    if cuda and _importable("causal_conv1d") and _importable("mamba_ssm"):
-        return KERNEL_MAMBA_SSM
-    if hf_config.model_type == "mamba2" and cuda and _fla_usable():
-        return KERNEL_FLA
-    if hf_config.model_type == "mamba" and _installed("mambapy") and _mambapy_trains():
-        return KERNEL_MAMBAPY
-    return KERNEL_REFERENCE
+    return current_kernel_path(hf_config.model_type, kernel_paths(hf_config))
+
+
+def kernel_checks(hf_config, path: str) -> dict:
+    from trainer.families import mamba_checks
+
+    return mamba_checks.checks(hf_config, path)
 
 
 # ---------------------------------------------------------------- Mamba-2 on fla's Triton kernels
@@ -171,8 +204,9 @@ def fla_causal_conv1d(hidden_states, weight, bias=None, activation=None, cu_seql
     return out.transpose(1, 2)
 
 
-# What use_fla_kernels replaced, so that reference_kernels can put it back.
-_REPLACED: dict[str, object] = {}
+# transformers' own binding of each module function this family rebinds, by (module name, function name), so
+# that reference_kernels and use_kernel_path can put it back.
+_REPLACED: dict[tuple[str, str], object] = {}
 
 
 def use_fla_kernels() -> None:
@@ -180,7 +214,7 @@ def use_fla_kernels() -> None:
     from transformers.models.mamba2 import modeling_mamba2
 
     for name, fast in zip(FLA_SWAPPED, (fla_ssd_scan, fla_causal_conv1d)):
-        _REPLACED.setdefault(name, getattr(modeling_mamba2, name))
+        _REPLACED.setdefault((modeling_mamba2.__name__, name), getattr(modeling_mamba2, name))
         setattr(modeling_mamba2, name, fast)
 
 
@@ -195,6 +229,47 @@ def _modeling(model_type: str):
     return modeling_mamba, modeling_mamba.MambaMixer
 
 
+def _mixer_calls(model_type: str) -> list[str]:
+    """The global names the mixer's methods use (its kernel functions among them)."""
+    _, mixer = _modeling(model_type)
+    called = set()
+    for method in vars(mixer).values():
+        if inspect.isfunction(method):
+            called.update(inspect.unwrap(method).__code__.co_names)
+    return sorted(called)
+
+
+def use_kernel_path(model_type: str, path: str) -> None:
+    """Bind transformers' mixer module to ``path`` (process-wide, until the next call): ``mamba_ssm``
+    transformers' own bindings (its kernels, where it found them); any other path its PyTorch functions,
+    which ``fla-triton-ssd`` then partly replaces with fla's. So a run moved off mamba_ssm by a failed
+    self-check, or by ``model.kernel_path``, cannot reach mamba_ssm's kernels any more."""
+    module, _ = _modeling(model_type)
+    for name in _mixer_calls(model_type):
+        native = _REPLACED.get((module.__name__, name), getattr(module, name, None))
+        if not inspect.isfunction(native):
+            continue
+        target = native if path == KERNEL_MAMBA_SSM else inspect.unwrap(native)
+        if getattr(module, name) is not target:
+            _REPLACED.setdefault((module.__name__, name), native)
+            setattr(module, name, target)
+    if path == KERNEL_FLA:
+        use_fla_kernels()
+
+
+@contextlib.contextmanager
+def kernels_of(model_type: str, path: str):
+    """The mixer module bound to ``path`` inside this block (the self-check), then as it was."""
+    module, _ = _modeling(model_type)
+    saved = {name: getattr(module, name) for name in _mixer_calls(model_type) if hasattr(module, name)}
+    use_kernel_path(model_type, path)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 @contextlib.contextmanager
 def reference_kernels(model_type: str):
     """Run the mixer on transformers' own PyTorch code inside this block, whatever kernels it found.
@@ -203,15 +278,11 @@ def reference_kernels(model_type: str):
     wrapping its PyTorch versions (``functools.wraps``, so ``__wrapped__``). For baselines on the same
     card and for checking a fast path against the reference; process-wide while it lasts.
     """
-    module, mixer = _modeling(model_type)
-    called = set()
-    for method in vars(mixer).values():
-        if inspect.isfunction(method):
-            called.update(inspect.unwrap(method).__code__.co_names)
+    module, _ = _modeling(model_type)
     saved = {}
-    for name in sorted(called):
+    for name in _mixer_calls(model_type):
         current = getattr(module, name, None)
-        original = _REPLACED.get(name, current) if model_type == "mamba2" else current
+        original = _REPLACED.get((module.__name__, name), current)
         if inspect.isfunction(original) and hasattr(original, "__wrapped__"):
             saved[name] = current
             setattr(module, name, inspect.unwrap(original))
@@ -241,9 +312,7 @@ def configure(hf_config, cfg):
         hf_config = config_cls.from_pretrained(
             cfg.model.name_or_path, revision=cfg.model.revision, cache_dir=cfg.paths.cache_dir
         )
-    path = kernel_path(hf_config)
-    if hf_config.model_type == "mamba":
-        hf_config.use_mambapy = _installed("mambapy") and path != KERNEL_MAMBA_SSM  # at least for evaluation
+    path = auto_kernel_path(hf_config)  # what this machine offers; the run's own choice comes after
     if torch.cuda.is_available() and path in (KERNEL_REFERENCE, KERNEL_MAMBAPY):
         print(
             f"WARNING: {hf_config.model_type} is training on a GPU WITHOUT fast kernels ({path}); expect it "
@@ -257,8 +326,10 @@ def configure(hf_config, cfg):
 
 def load_mamba(model_cfg, config, **kwargs):
     _, model_cls = _transformers_classes(config.model_type)
-    if kernel_path(config) == KERNEL_FLA:
-        use_fla_kernels()
+    path = kernel_path(config)
+    use_kernel_path(config.model_type, path)
+    if config.model_type == "mamba":
+        config.use_mambapy = _installed("mambapy") and path != KERNEL_MAMBA_SSM  # at least for evaluation
     if kwargs.pop("from_config", False):
         return model_cls._from_config(config, dtype=kwargs.get("dtype"))
     return model_cls.from_pretrained(
@@ -326,6 +397,8 @@ MAMBA = Family(
     model_inputs=model_inputs,
     configure=configure,
     kernel_path=kernel_path,
+    kernel_paths=kernel_paths,
+    kernel_checks=kernel_checks,
     quantization_skip=quantization_skip,
     check_lora=check_lora,
 )

@@ -90,9 +90,7 @@ def decide(mode: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
         results = selfcheck.run(device, dtype, checks)
         failed = selfcheck.failures(results)
         if failed:
-            reason = "kernel self-check failed: " + "; ".join(
-                f"{f.kernel} {f.note or f'off by {f.error:.3g}'} (tolerance {f.tolerance:g})" for f in failed
-            )
+            reason = "kernel self-check failed: " + selfcheck.describe_failures(failed)
     if reason and mode == "on":
         raise FastPathUnavailable(f"performance.fast_path: on, but {reason}")
     if reason and results:

@@ -1,15 +1,16 @@
-"""Before the first step, each fast-path kernel against eager PyTorch on random inputs: a wrong kernel is caught.
+"""Before the first step, each fast kernel against its reference on random inputs: a wrong kernel is caught.
 
 A fast kernel that computes the wrong gradient is worse than a slow one: nobody notices until the GPU-weeks
 are spent. So the fast path runs one tiny forward and backward of each of its kernels on the run's device and
 compute dtype (milliseconds), compares output and every gradient with eager PyTorch in fp32 on the same
-(rounded) inputs, and is used only if all agree within the dtype's tolerance. Results are cached per process,
-device and library versions; the model report and a ``kernel_check`` event carry the measured errors.
+(rounded) inputs, and is used only if all agree within the dtype's tolerance. The GLA and Mamba families check
+their own kernels the same way (their ``kernel_checks`` hooks, chosen in trainer/model/kernel_choice.py).
+Results are cached per process, device and library versions; the model report and a ``kernel_check`` event
+carry the measured errors.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata as md
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -21,6 +22,10 @@ from trainer.fastpath import lora_ops
 
 # Relative error allowed against fp32, by compute dtype (bf16 operands land between 1e-3 and 1e-2).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+# The same for Triton kernels (and mamba_ssm's), whose fp32 dots run in TF32 by default (Triton's
+# ``input_precision``): chunk_gla's fp32 error is 1.2e-3 on an H100. 1e-2 is issue 14's own bar for LoRA
+# gradients in an fp32 check; a kernel that is really wrong (25% for GLA on Hopper) is far beyond it.
+TRITON_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
 @dataclass(frozen=True)
@@ -42,12 +47,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def _leaves(*shapes, device, dtype, scale=0.1):
+def random_leaves(*shapes, device, dtype, scale=0.1):
     return [(torch.randn(*s, device=device) * scale).to(dtype).requires_grad_(True) for s in shapes]
 
 
-def _compare(kernel_out, reference_fn, leaves) -> float:
-    """Backward through the kernel and through the fp32 reference with one random output gradient."""
+def compare(kernel_out, reference_fn, leaves) -> float:
+    """Backward through the kernel and through the fp32 reference with one random output gradient; the
+    largest relative error over the output and every leaf's gradient."""
     grad = torch.randn_like(kernel_out)
     kernel_out.backward(grad)
     mine = [kernel_out.detach()] + [t.grad.detach().clone() for t in leaves]
@@ -64,14 +70,14 @@ def _eager_lora(x, w, a, b, scale):
 
 def check_lora_linear(device, dtype, kernel=lora_ops.lora_linear) -> float:
     w = (torch.randn(96, 64, device=device) * 0.1).to(dtype)
-    x, a, b = _leaves((2, 24, 64), (8, 64), (96, 8), device=device, dtype=dtype)
+    x, a, b = random_leaves((2, 24, 64), (8, 64), (96, 8), device=device, dtype=dtype)
     out = kernel(x, a, b, lora_ops.BaseWeight(w, None), 2.0)
-    return _compare(out, lambda x, a, b: _eager_lora(x, w.float(), a, b, 2.0), [x, a, b])
+    return compare(out, lambda x, a, b: _eager_lora(x, w.float(), a, b, 2.0), [x, a, b])
 
 
 def check_lora_mlp(device, dtype, kernel=lora_ops.lora_mlp) -> float:
     ws = [(torch.randn(*s, device=device) * 0.1).to(dtype) for s in ((128, 64), (128, 64), (64, 128))]
-    x, *lo = _leaves(
+    x, *lo = random_leaves(
         (2, 24, 64), (8, 64), (128, 8), (8, 64), (128, 8), (8, 128), (64, 8), device=device, dtype=dtype
     )
     parts = [(lo[2 * i], lo[2 * i + 1], lora_ops.BaseWeight(ws[i], None), 1.5) for i in range(3)]
@@ -81,7 +87,7 @@ def check_lora_mlp(device, dtype, kernel=lora_ops.lora_mlp) -> float:
         h = F.silu(_eager_lora(x, ws[0].float(), ga, gb, 1.5)) * _eager_lora(x, ws[1].float(), ua, ub, 1.5)
         return _eager_lora(h, ws[2].float(), da, db, 1.5)
 
-    return _compare(out, reference, [x, *lo])
+    return compare(out, reference, [x, *lo])
 
 
 def check_lora_linear_nf4(device, dtype, kernel=lora_ops.lora_linear) -> float:
@@ -94,9 +100,9 @@ def check_lora_linear_nf4(device, dtype, kernel=lora_ops.lora_linear) -> float:
         q, requires_grad=False, quant_state=state, bnb_quantized=True, quant_type="nf4"
     )
     dense = bnbf.dequantize_4bit(q, state).float()
-    x, a, b = _leaves((2, 24, 64), (8, 64), (128, 8), device=device, dtype=dtype)
+    x, a, b = random_leaves((2, 24, 64), (8, 64), (128, 8), device=device, dtype=dtype)
     out = kernel(x, a, b, lora_ops.BaseWeight(weight, None), 2.0)
-    return _compare(out, lambda x, a, b: _eager_lora(x, dense, a, b, 2.0), [x, a, b])
+    return compare(out, lambda x, a, b: _eager_lora(x, dense, a, b, 2.0), [x, a, b])
 
 
 def check_fused_cross_entropy(device, dtype, kernel=None) -> float:
@@ -106,13 +112,13 @@ def check_fused_cross_entropy(device, dtype, kernel=None) -> float:
     kernel = kernel or fastpath.fused_cross_entropy
     head = torch.nn.Linear(64, 500, bias=False, device=device).to(dtype)
     head.weight.requires_grad_(False)
-    (hidden,) = _leaves((2, 24, 64), device=device, dtype=dtype, scale=1.0)
+    (hidden,) = random_leaves((2, 24, 64), device=device, dtype=dtype, scale=1.0)
     labels = torch.randint(0, 500, (2, 24), device=device)
     labels[0, :5] = -100
     out = kernel(head, hidden, labels)
     ref_head = torch.nn.Linear(64, 500, bias=False, device=device)
     ref_head.weight.data.copy_(head.weight.float())
-    return _compare(out, lambda h: fastpath.reference_cross_entropy(ref_head, h, labels), [hidden])
+    return compare(out, lambda h: fastpath.reference_cross_entropy(ref_head, h, labels), [hidden])
 
 
 CHECKS: dict[str, Callable] = {
@@ -123,9 +129,16 @@ CHECKS: dict[str, Callable] = {
 }
 
 
+# Libraries whose kernels are checked: a new version of any of them is checked again.
+KERNEL_LIBRARIES = (
+    "torch", "liger-kernel", "bitsandbytes", "triton", "flash-linear-attention", "fla-core", "mamba-ssm",
+    "causal-conv1d", "mambapy", "transformers",
+)  # fmt: skip
+
+
 def _versions() -> tuple:
     found = []
-    for name in ("torch", "liger-kernel", "bitsandbytes", "triton"):
+    for name in KERNEL_LIBRARIES:
         try:
             found.append(md.version(name))
         except md.PackageNotFoundError:
@@ -133,19 +146,32 @@ def _versions() -> tuple:
     return tuple(found)
 
 
-def run(device: torch.device, dtype: torch.dtype = torch.bfloat16, checks: dict[str, Callable] | None = None):
-    """Every check on ``device`` in ``dtype``; cached per process for the shipped checks."""
+# Results already measured in this process, by (key, device, dtype, library versions).
+_CACHE: dict[tuple, tuple[KernelCheck, ...]] = {}
+
+
+def run(
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    checks: dict[str, Callable] | None = None,
+    key: tuple | None = None,
+    tolerance: dict | None = None,
+) -> tuple[KernelCheck, ...]:
+    """Every check on ``device`` in ``dtype``. The causal fast path's shipped checks (``checks`` None), and
+    any other set given a ``key`` (a family's kernels: family, path, model config), are measured once per
+    process, device, dtype and library versions; ``tolerance``: by dtype, ``TOLERANCE`` unless given."""
     if checks is None:
-        return _cached(str(device), dtype, _versions())
-    return _run(device, dtype, checks)
+        checks, key = CHECKS, ("causal fast path",)
+    tolerance = tolerance or TOLERANCE
+    if key is None:
+        return _run(device, dtype, checks, tolerance)
+    cache_key = (key, str(device), dtype, _versions())
+    if cache_key not in _CACHE:
+        _CACHE[cache_key] = _run(device, dtype, checks, tolerance)
+    return _CACHE[cache_key]
 
 
-@functools.lru_cache(maxsize=8)
-def _cached(device: str, dtype: torch.dtype, versions: tuple) -> tuple[KernelCheck, ...]:
-    return _run(torch.device(device), dtype, CHECKS)
-
-
-def _run(device, dtype, checks) -> tuple[KernelCheck, ...]:
+def _run(device, dtype, checks, tolerance=TOLERANCE) -> tuple[KernelCheck, ...]:
     results = []
     state = (
         torch.random.get_rng_state(),
@@ -157,12 +183,12 @@ def _run(device, dtype, checks) -> tuple[KernelCheck, ...]:
         torch.manual_seed(1234)
         for name, check in checks.items():
             try:
-                results.append(KernelCheck(name, check(device, dtype), TOLERANCE[dtype]))
+                results.append(KernelCheck(name, check(device, dtype), tolerance[dtype]))
             except ImportError:  # a kernel whose library is absent is not used either (e.g. no bitsandbytes)
                 continue
             except Exception as exc:  # a kernel that raises here would raise in training: not trusted
                 note = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-                results.append(KernelCheck(name, float("nan"), TOLERANCE[dtype], note))
+                results.append(KernelCheck(name, float("nan"), tolerance[dtype], note))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.random.set_rng_state(state[0])
@@ -173,3 +199,10 @@ def _run(device, dtype, checks) -> tuple[KernelCheck, ...]:
 
 def failures(results) -> list[KernelCheck]:
     return [r for r in results if not r.passed]
+
+
+def describe_failures(failed) -> str:
+    """One line for warnings and errors: each failed kernel, how far off (or why it could not run)."""
+    return "; ".join(
+        f"{f.kernel} {f.note or f'off by {f.error:.3g}'} (tolerance {f.tolerance:g})" for f in failed
+    )

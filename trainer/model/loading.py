@@ -17,7 +17,9 @@ import torch
 from trainer import fastpath, peft_methods
 from trainer.config import Config
 from trainer.families import Family, ModelLoadError, family_for
+from trainer.families.base import kernel_path_chosen
 from trainer.fastpath import attention as fast_attention
+from trainer.model import kernel_choice
 from trainer.model.moe_quant import QuantizedExpertWeights, quantize_fused_experts
 from trainer.training import chunked_loss
 
@@ -317,17 +319,37 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
     if cfg.training.method == "qlora" and not family.quantizable:
         raise ModelLoadError(f"training.method: qlora is not available for the {family.name} family")
     hf_config = family.configure(hf_config, cfg)
-    if cfg.training.method in ("lora", "qlora"):
-        check_lora_config(cfg, family, hf_config)
-    kernel_path = family.kernel_path(hf_config)
-    print(f"kernels: {family.name}/{model_type} runs on {kernel_path}", flush=True)
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
         cfg.training.mixed_precision
     ) or resolve_dtype(cfg)
+    # Before anything path-dependent: LoRA defaults, 4-bit skips and the model itself follow the choice.
+    choice = kernel_choice.choose(family, hf_config, cfg.model.kernel_path, device, compute)
+    with kernel_path_chosen(model_type, choice.path):
+        model, report = _build(cfg, family, hf_config, device, compute, choice)
+    return LoadedModel(model=model, tokenizer=tokenizer, family=family, model_type=model_type, report=report)
+
+
+def _kernel_line(family: Family, model_type: str, choice: kernel_choice.KernelChoice) -> str:
+    line = f"kernels: {family.name}/{model_type} runs on {choice.path}"
+    if choice.checks:
+        errors = ", ".join(f"{c.kernel} {c.error:.1e}{'' if c.passed else ' FAILED'}" for c in choice.checks)
+        line += f" (self-check, relative error: {errors})"
+    return line
+
+
+def _build(cfg: Config, family: Family, hf_config, device, compute, choice) -> tuple[torch.nn.Module, dict]:
+    """The model on the chosen kernel path, with adapters and the fast path where they apply; its report."""
+    model_type = getattr(hf_config, "model_type", "") or ""
+    if cfg.training.method in ("lora", "qlora"):
+        check_lora_config(cfg, family, hf_config)
+    kernel_path = family.kernel_path(hf_config)
+    print(_kernel_line(family, model_type, choice), flush=True)
     if family.name == "causal":
         fast = fastpath.decide(cfg.performance.fast_path, device, compute)
     else:
-        fast = fastpath.Decision(False, f"the {family.name} family runs its own kernels ({kernel_path})")
+        fast = fastpath.Decision(
+            False, f"the {family.name} family runs its own kernels ({kernel_path})", choice.checks
+        )
     model = load_base_model(cfg, family, hf_config, device)
     if cfg.training.method == "qlora" and cfg.quantization.quantize_experts:
         if cfg.lora.target_parameters:
@@ -355,4 +377,4 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
     fused = fast_report.fused_loss
     report["chunked_loss"] = chunked_loss.enable(model, cfg.memory.chunked_loss and not fused)
     report["kernel_path"] = kernel_path
-    return LoadedModel(model=model, tokenizer=tokenizer, family=family, model_type=model_type, report=report)
+    return model, report

@@ -208,17 +208,24 @@ def kernels(run: RunData) -> dict | None:
     ]
     errors = [e for e in (finite(r.get("error")) for r in results) if e is not None]
     failed = [r.get("kernel") for r in results if r.get("passed") is not True]
-    if failed:
+    path = (report or {}).get("kernel_path")
+    if path not in (None, "transformers"):  # a family's own kernels (GLA, Mamba): the path that trained
+        summary = f"kernels: {path}"
+        if failed:
+            summary += f", after a failed kernel self-check ({', '.join(map(str, failed))})"
+        elif errors:
+            summary += f", checked (max error {max(errors):.1e})"
+    elif failed:
         summary = f"reference path: kernel self-check FAILED ({', '.join(map(str, failed))})"
     elif fast.get("enabled"):
         summary = "fast path" + (f", kernels checked (max error {max(errors):.1e})" if errors else "")
     elif fast:
         summary = f"reference path ({fast.get('reason') or 'fast path off'})"
     else:
-        summary = f"kernels: {(report or {}).get('kernel_path') or 'unknown'}"
+        summary = f"kernels: {path or 'unknown'}"
     return {
         "summary": summary,
-        "kernel_path": (report or {}).get("kernel_path"),
+        "kernel_path": path,
         "fast_path": fast.get("enabled"),
         "fast_path_reason": fast.get("reason") or None,
         "self_check_passed": all(r.get("passed") is True for r in results) if results else None,

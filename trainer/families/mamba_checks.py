@@ -1,0 +1,78 @@
+"""The Mamba family's start-up self-check: one mixer on a fast path against transformers' PyTorch mixer.
+
+Which kernels a Mamba mixer calls depends on the path and on transformers' version (Mamba-1 trains through
+``mamba_inner_fn``, Mamba-2 through ``mamba_split_conv1d_scan_combined`` on mamba_ssm, through fla's scan
+and convolution on ``fla-triton-ssd``), so the check runs the mixer itself rather than one op: a single
+layer of the model's own sizes, in training mode, on random input of the run's compute dtype, bound to the
+path's kernels (``mamba.kernels_of``; under autocast in 16 bits, as the loop runs it), against the same
+layer in fp32 on transformers' PyTorch functions (``mamba.reference_kernels``), output and every gradient (input and each parameter) compared as
+trainer/fastpath/selfcheck.py does. Mamba-2 runs one and a half of its chunks, so the state passed
+between chunks is exercised.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+
+from trainer.fastpath.selfcheck import compare
+
+MAMBA1_TOKENS = 128
+MAX_TOKENS = 512
+
+
+def check_name(model_type: str, path: str) -> str:
+    """What the check is called in the report: the function that carries the path's training step."""
+    from trainer.families import mamba
+
+    if path == mamba.KERNEL_MAMBA_SSM:
+        return "mamba_inner_fn" if model_type == "mamba" else "mamba_split_conv1d_scan_combined"
+    return {mamba.KERNEL_FLA: "fla_ssd_scan+causal_conv1d", mamba.KERNEL_MAMBAPY: "mambapy_pscan"}[path]
+
+
+def tokens(hf_config) -> int:
+    chunk = getattr(hf_config, "chunk_size", None)
+    if hf_config.model_type != "mamba2" or not chunk:
+        return MAMBA1_TOKENS
+    return min(chunk + chunk // 2, MAX_TOKENS)
+
+
+def check_mixer(device, dtype, hf_config, path: str) -> float:
+    from trainer.families import mamba
+
+    model_type = hf_config.model_type
+    _, mixer_cls = mamba._modeling(model_type)
+    config = copy.deepcopy(hf_config)
+    config.num_hidden_layers = 1
+    if model_type == "mamba":
+        config.use_mambapy = False  # the reference: transformers' sequential scan
+    reference = mixer_cls(config, layer_idx=0).to(device).train()
+    mixer = copy.deepcopy(reference).to(dtype)
+    if path == mamba.KERNEL_MAMBAPY:
+        mixer.use_mambapy = True
+    names = [name for name, _ in reference.named_parameters()]
+    params = [p.detach().clone().requires_grad_(True) for p in mixer.parameters()]
+    x = (torch.randn(1, tokens(hf_config), config.hidden_size, device=device) * 0.5).to(dtype)
+    x.requires_grad_(True)
+    # Under autocast as the loop runs a 16-bit run (accelerate's mixed precision): mambapy's scan, for one,
+    # mixes fp32 states with 16-bit weights in a matmul that only autocast makes work.
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    with mamba.kernels_of(model_type, path), autocast:
+        out = torch.func.functional_call(mixer, dict(zip(names, params)), (x,))
+
+    def on_reference(x, *values):
+        with mamba.reference_kernels(model_type):
+            return torch.func.functional_call(reference, dict(zip(names, values)), (x,))
+
+    return compare(out, on_reference, [x, *params])
+
+
+def checks(hf_config, path: str) -> dict:
+    from trainer.families import mamba
+
+    if path == mamba.KERNEL_REFERENCE:
+        return {}
+    check = functools.partial(check_mixer, hf_config=hf_config, path=path)
+    return {check_name(hf_config.model_type, path): check}
