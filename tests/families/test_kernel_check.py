@@ -59,6 +59,9 @@ def gla_gpu(monkeypatch, fresh_cache):
         return (gla._torch_rms_norm(self, x).float() * F.silu(g.float())).to(x.dtype)
 
     monkeypatch.setattr(gla, "_triton_runs", lambda: True)
+    # Products in bf16, as on a real GPU, so the layer runs chunk_gla (an fp32 run takes the recurrent kernel:
+    # tests/families/test_gla.py).
+    monkeypatch.setattr(gla, "computes_in_fp32", lambda cfg: False)
     for name in gla.GLA_OPS:  # whatever a load binds there is undone after the test
         monkeypatch.setattr(layer, name, getattr(layer, name))
     monkeypatch.setattr(ops, "chunk_gla", gla.naive_gla)

@@ -1,7 +1,8 @@
 """The GLA family's start-up self-check: fla's Triton kernels against their torch references on the GPU.
 
-On an H100 with triton 3.6 the kit saw GLA's LoRA gradients 25% away from fla's fp32 recurrence (issue 14,
-fla #640), so before a run trains on ``fla-triton``, each kernel the model will call runs one tiny forward
+On an H100 with triton 3.6 the kit saw GLA's LoRA gradients 25% away from fla's fp32 recurrence in a model-level
+check (issue 14: TF32 inside chunk_gla, amplified by 24 layers; docs/families.md), so before a run trains on
+``fla-triton``, each kernel the model will call runs one tiny forward
 and backward at the model's head sizes, in the run's compute dtype, and its output and every input gradient
 are compared with the reference in fp32 on the same rounded inputs (trainer/fastpath/selfcheck.py):
 
