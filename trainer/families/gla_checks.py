@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from trainer.families.gla_reference import naive_gla, torch_rms_norm
 from trainer.fastpath.selfcheck import compare, random_leaves
 
 CHUNK_TOKENS = (90, 70)  # two documents, each longer than chunk_gla's 64-token chunk
@@ -44,8 +45,6 @@ def head_sizes(hf_config) -> tuple[int, int, int]:
 def check_gla_op(device, dtype, op_name: str, heads: int, key: int, value: int, tokens=CHUNK_TOKENS) -> float:
     """One fla GLA op, called as ``fla.layers.gla`` calls it (varlen, state_v_first), against naive_gla."""
     import fla.ops.gla as ops
-
-    from trainer.families.gla import naive_gla
 
     total = sum(tokens)
     bounds = torch.tensor([0, *torch.tensor(tokens).cumsum(0).tolist()], dtype=torch.int32, device=device)
@@ -74,8 +73,6 @@ def check_rms_norm(device, dtype, hidden: int, eps: float = 1e-6) -> float:
     hidden states), against the torch version the reference path uses."""
     from fla.modules import RMSNorm
 
-    from trainer.families.gla import _torch_rms_norm
-
     norm = RMSNorm(hidden, eps=eps).to(device)
     x, residual = random_leaves(
         (1, NORM_TOKENS, hidden), (1, NORM_TOKENS, hidden), device=device, dtype=dtype, scale=1.0
@@ -87,7 +84,7 @@ def check_rms_norm(device, dtype, hidden: int, eps: float = 1e-6) -> float:
 
     def reference(x, residual, weight):
         plain = SimpleNamespace(weight=weight, bias=None, eps=eps)
-        return torch.cat(_torch_rms_norm(plain, x, residual, prenorm=True), -1)
+        return torch.cat(torch_rms_norm(plain, x, residual, prenorm=True), -1)
 
     return compare(fused(x, residual, weight), reference, [x, residual, weight])
 
@@ -95,8 +92,6 @@ def check_rms_norm(device, dtype, hidden: int, eps: float = 1e-6) -> float:
 def check_rms_norm_gated(device, dtype, heads: int, value: int, eps: float = 1e-6) -> float:
     """fla's FusedRMSNormGated (the GLA layer's output norm times swish of the output gate)."""
     from fla.modules import FusedRMSNormGated
-
-    from trainer.families.gla import _torch_rms_norm
 
     norm = FusedRMSNormGated(value, eps=eps).to(device)
     x, gate = random_leaves(
@@ -108,7 +103,7 @@ def check_rms_norm_gated(device, dtype, heads: int, value: int, eps: float = 1e-
         return torch.func.functional_call(norm, {"weight": weight}, (x, gate))
 
     def reference(x, gate, weight):
-        y = _torch_rms_norm(SimpleNamespace(weight=weight, bias=None, eps=eps), x)
+        y = torch_rms_norm(SimpleNamespace(weight=weight, bias=None, eps=eps), x)
         return y.float() * F.silu(gate.float())
 
     return compare(fused(x, gate, weight), reference, [x, gate, weight])

@@ -23,6 +23,7 @@ family turns packing off: one document (or chunk of one) per row, right-padded, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -126,10 +127,33 @@ def kernel_path(hf_config) -> str:
     return current_kernel_path(hf_config.model_type, kernel_paths(hf_config))
 
 
+# The start-up check of each fast path: the function that carries its training step, as the report names it.
+CHECK_NAMES = {
+    ("mamba", KERNEL_MAMBA_SSM): "mamba_inner_fn",
+    ("mamba2", KERNEL_MAMBA_SSM): "mamba_split_conv1d_scan_combined",
+    ("mamba2", KERNEL_FLA): "fla_ssd_scan+causal_conv1d",
+    ("mamba", KERNEL_MAMBAPY): "mambapy_pscan",
+    ("mamba2", KERNEL_MAMBAPY): "mambapy_pscan",
+}
+
+
 def kernel_checks(hf_config, path: str) -> dict:
+    """One mixer on ``path`` against transformers' PyTorch mixer (trainer/families/mamba_checks.py)."""
+    model_type = hf_config.model_type
+    name = CHECK_NAMES.get((model_type, path))
+    if name is None:
+        return {}
     from trainer.families import mamba_checks
 
-    return mamba_checks.checks(hf_config, path)
+    check = functools.partial(
+        mamba_checks.check_mixer,
+        hf_config=hf_config,
+        mixer_class=_modeling(model_type)[1],
+        on_path=functools.partial(kernels_of, model_type, path),
+        on_reference=functools.partial(reference_kernels, model_type),
+        mambapy=path == KERNEL_MAMBAPY,
+    )
+    return {name: check}
 
 
 # ---------------------------------------------------------------- Mamba-2 on fla's Triton kernels

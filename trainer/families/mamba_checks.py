@@ -13,7 +13,6 @@ between chunks is exercised.
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 
@@ -23,15 +22,6 @@ MAMBA1_TOKENS = 128
 MAX_TOKENS = 512
 
 
-def check_name(model_type: str, path: str) -> str:
-    """What the check is called in the report: the function that carries the path's training step."""
-    from trainer.families import mamba
-
-    if path == mamba.KERNEL_MAMBA_SSM:
-        return "mamba_inner_fn" if model_type == "mamba" else "mamba_split_conv1d_scan_combined"
-    return {mamba.KERNEL_FLA: "fla_ssd_scan+causal_conv1d", mamba.KERNEL_MAMBAPY: "mambapy_pscan"}[path]
-
-
 def tokens(hf_config) -> int:
     chunk = getattr(hf_config, "chunk_size", None)
     if hf_config.model_type != "mamba2" or not chunk:
@@ -39,18 +29,16 @@ def tokens(hf_config) -> int:
     return min(chunk + chunk // 2, MAX_TOKENS)
 
 
-def check_mixer(device, dtype, hf_config, path: str) -> float:
-    from trainer.families import mamba
-
-    model_type = hf_config.model_type
-    _, mixer_cls = mamba._modeling(model_type)
+def check_mixer(device, dtype, hf_config, mixer_class, on_path, on_reference, mambapy: bool = False) -> float:
+    """One mixer on the path's kernels (``on_path()``) against the same mixer in fp32 on transformers'
+    PyTorch functions (``on_reference()``); the family passes both switches in (trainer/families/mamba.py)."""
     config = copy.deepcopy(hf_config)
     config.num_hidden_layers = 1
-    if model_type == "mamba":
+    if hf_config.model_type == "mamba":
         config.use_mambapy = False  # the reference: transformers' sequential scan
-    reference = mixer_cls(config, layer_idx=0).to(device).train()
+    reference = mixer_class(config, layer_idx=0).to(device).train()
     mixer = copy.deepcopy(reference).to(dtype)
-    if path == mamba.KERNEL_MAMBAPY:
+    if mambapy:
         mixer.use_mambapy = True
     names = [name for name, _ in reference.named_parameters()]
     params = [p.detach().clone().requires_grad_(True) for p in mixer.parameters()]
@@ -59,20 +47,11 @@ def check_mixer(device, dtype, hf_config, path: str) -> float:
     # Under autocast as the loop runs a 16-bit run (accelerate's mixed precision): mambapy's scan, for one,
     # mixes fp32 states with 16-bit weights in a matmul that only autocast makes work.
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    with mamba.kernels_of(model_type, path), autocast:
+    with on_path(), autocast:
         out = torch.func.functional_call(mixer, dict(zip(names, params)), (x,))
 
-    def on_reference(x, *values):
-        with mamba.reference_kernels(model_type):
+    def reference_output(x, *values):
+        with on_reference():
             return torch.func.functional_call(reference, dict(zip(names, values)), (x,))
 
-    return compare(out, on_reference, [x, *params])
-
-
-def checks(hf_config, path: str) -> dict:
-    from trainer.families import mamba
-
-    if path == mamba.KERNEL_REFERENCE:
-        return {}
-    check = functools.partial(check_mixer, hf_config=hf_config, path=path)
-    return {check_name(hf_config.model_type, path): check}
+    return compare(out, reference_output, [x, *params])
