@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from tests.families.helpers import cli, error_line, events, family_config
 from tests.helpers import REPO
+from trainer import kernelcheck
 from trainer.config import load_config
-from trainer.fastpath import selfcheck
 from trainer.model import kernel_choice
 
 CPU = torch.device("cpu")
@@ -40,7 +40,7 @@ def scaled_gradient(op):
 
 @pytest.fixture
 def fresh_cache(monkeypatch):
-    monkeypatch.setattr(selfcheck, "_CACHE", {})
+    monkeypatch.setattr(kernelcheck, "_CACHE", {})
     monkeypatch.setattr(kernel_choice, "self_check_runs_on", lambda device: True)
 
 
@@ -89,15 +89,15 @@ def test_gla_self_check_passes_right_kernels_and_catches_a_wrong_gradient(gla_gp
         "fused_rms_norm_gated",
         "swiglu_linear",
     ]
-    tolerance = selfcheck.TRITON_TOLERANCE
-    fp32 = selfcheck.run(CPU, torch.float32, checks, tolerance=tolerance)
+    tolerance = kernelcheck.TRITON_TOLERANCE
+    fp32 = kernelcheck.run(CPU, torch.float32, checks, tolerance=tolerance)
     assert all(c.passed and c.error < 1e-6 and c.tolerance == 1e-2 for c in fp32)
-    bf16 = selfcheck.run(CPU, torch.bfloat16, checks, tolerance=tolerance)
+    bf16 = kernelcheck.run(CPU, torch.bfloat16, checks, tolerance=tolerance)
     assert all(c.passed and 0 < c.error < 3e-2 for c in bf16)  # bf16 rounding measured, within tolerance
 
     gla_gpu.chunk_gla = scaled_gradient(gla_gpu.chunk_gla)  # the fixture's monkeypatch restores it
-    wrong = selfcheck.run(CPU, torch.float32, checks, tolerance=tolerance)
-    assert [c.kernel for c in selfcheck.failures(wrong)] == ["chunk_gla"]
+    wrong = kernelcheck.run(CPU, torch.float32, checks, tolerance=tolerance)
+    assert [c.kernel for c in kernelcheck.failures(wrong)] == ["chunk_gla"]
     assert wrong[0].error == pytest.approx(0.5, rel=1e-3)
 
 
@@ -266,7 +266,7 @@ def test_a_wrong_mamba_kernel_moves_the_run_to_the_next_correct_path(
     assert choice.checks[0].passed and choice.checks[0].error < 1e-6
 
     monkeypatch.setattr(module, SCAN[model], scaled_gradient(inspect.unwrap(right)))
-    monkeypatch.setattr(selfcheck, "_CACHE", {})
+    monkeypatch.setattr(kernelcheck, "_CACHE", {})
     choice = kernel_choice.choose(MAMBA, hf_config, "auto", CPU, torch.float32)
     assert choice.path == fallback
     assert [(c.kernel, c.passed) for c in choice.checks][0] == (kernel, False)
@@ -307,8 +307,8 @@ def test_self_check_results_are_measured_once_per_process_key_and_dtype(fresh_ca
         return 0.0
 
     for _ in range(3):
-        assert selfcheck.run(CPU, torch.float32, {"op": check}, key=("gla", "fla-triton", "{}"))[0].passed
-    selfcheck.run(CPU, torch.bfloat16, {"op": check}, key=("gla", "fla-triton", "{}"))
-    selfcheck.run(CPU, torch.float32, {"op": check}, key=("gla", "fla-triton", "{other config}"))
-    selfcheck.run(CPU, torch.float32, {"op": check})  # no key: measured every time
+        assert kernelcheck.run(CPU, torch.float32, {"op": check}, key=("gla", "fla-triton", "{}"))[0].passed
+    kernelcheck.run(CPU, torch.bfloat16, {"op": check}, key=("gla", "fla-triton", "{}"))
+    kernelcheck.run(CPU, torch.float32, {"op": check}, key=("gla", "fla-triton", "{other config}"))
+    kernelcheck.run(CPU, torch.float32, {"op": check})  # no key: measured every time
     assert calls == [torch.float32, torch.bfloat16, torch.float32, torch.float32]

@@ -4,7 +4,7 @@ On an H100 with triton 3.6 the kit saw GLA's LoRA gradients 25% away from fla's 
 check (issue 14: TF32 inside chunk_gla, amplified by 24 layers; docs/families.md), so before a run trains on
 ``fla-triton``, each kernel the model will call runs one tiny forward
 and backward at the model's head sizes, in the run's compute dtype, and its output and every input gradient
-are compared with the reference in fp32 on the same rounded inputs (trainer/fastpath/selfcheck.py):
+are compared with the reference in fp32 on the same rounded inputs (trainer/kernelcheck.py):
 
 - ``chunk_gla`` (the layer's op on rows over 64 tokens): two documents through ``cu_seqlens`` as packed
   training rows are, each over one 64-token chunk, so the state passed between chunks and the varlen
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.families.gla_reference import naive_gla, torch_rms_norm
-from trainer.fastpath.selfcheck import compare, random_leaves
+from trainer.kernelcheck import compare, random_leaves
 
 CHUNK_TOKENS = (90, 70)  # two documents, each longer than chunk_gla's 64-token chunk
 RECURRENT_TOKENS = (40, 24)  # rows of 64 tokens or fewer go through fused_recurrent_gla

@@ -6,7 +6,7 @@ and convolution on ``fla-triton-ssd``), so the check runs the mixer itself rathe
 layer of the model's own sizes, in training mode, on random input of the run's compute dtype, bound to the
 path's kernels (``mamba.kernels_of``; under autocast in 16 bits, as the loop runs it), against the same
 layer in fp32 on transformers' PyTorch functions (``mamba.reference_kernels``), output and every gradient (input and each parameter) compared as
-trainer/fastpath/selfcheck.py does. Mamba-2 runs one and a half of its chunks, so the state passed
+trainer/kernelcheck.py does. Mamba-2 runs one and a half of its chunks, so the state passed
 between chunks is exercised.
 """
 
@@ -16,7 +16,7 @@ import copy
 
 import torch
 
-from trainer.fastpath.selfcheck import compare
+from trainer.kernelcheck import compare
 
 MAMBA1_TOKENS = 128
 MAX_TOKENS = 512

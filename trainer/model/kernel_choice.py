@@ -4,7 +4,7 @@ A family lists its paths, best first, with why each cannot run here (``Family.ke
 ``fla-triton``, ``fla-naive-torch``; Mamba ``mamba_ssm``, ``fla-triton-ssd``, ``mambapy``,
 ``torch-reference``; causal LMs ``transformers``). On a GPU, before the model is built, a path's kernels run
 one tiny forward and backward against the family's reference (``Family.kernel_checks``, measured by
-trainer/fastpath/selfcheck.py in the run's compute dtype; cached per process, device, model config and
+trainer/kernelcheck.py in the run's compute dtype; cached per process, device, model config and
 library versions). ``auto`` takes the first path that can run here and passes; one that fails is left, with
 a loud one-line warning, for the next (a reference path has nothing to check). A forced path that cannot
 run here, or fails its check, stops the run before training (``KernelPathUnavailable``, exit 2), as
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer import kernelcheck
 from trainer.families import Family, ModelLoadError
-from trainer.fastpath import selfcheck
 
 
 class KernelPathUnavailable(ModelLoadError):
@@ -30,7 +30,7 @@ class KernelPathUnavailable(ModelLoadError):
 @dataclass(frozen=True)
 class KernelChoice:
     path: str
-    checks: tuple = ()  # selfcheck.KernelCheck of every path tried, in the order tried
+    checks: tuple = ()  # kernelcheck.KernelCheck of every path tried, in the order tried
 
 
 def self_check_runs_on(device: torch.device) -> bool:
@@ -53,7 +53,7 @@ def _check(family: Family, hf_config, path: str, device, dtype) -> tuple:
     if not checks:
         return ()
     key = (family.name, path, _config_key(hf_config))
-    return selfcheck.run(device, dtype, checks, key=key, tolerance=selfcheck.TRITON_TOLERANCE)
+    return kernelcheck.run(device, dtype, checks, key=key, tolerance=kernelcheck.TRITON_TOLERANCE)
 
 
 def choose(family: Family, hf_config, forced: str, device: torch.device, dtype: torch.dtype) -> KernelChoice:
@@ -75,10 +75,10 @@ def choose(family: Family, hf_config, forced: str, device: torch.device, dtype: 
     for tried, path in enumerate(candidates):
         found = _check(family, hf_config, path, device, dtype)
         results.extend(found)
-        failed = selfcheck.failures(found)
+        failed = kernelcheck.failures(found)
         if not failed:
             return KernelChoice(path, tuple(results))
-        reason = selfcheck.describe_failures(failed)
+        reason = kernelcheck.describe_failures(failed)
         if forced != "auto":
             raise KernelPathUnavailable(
                 f"model.kernel_path: {path} was forced, but its kernel self-check failed on this device: "
