@@ -307,17 +307,22 @@ def test_example_yaml_runs(tmp_path, monkeypatch, name):
     check_example_yaml_runs(tmp_path, name)
 
 
-def test_mambapy_label_follows_the_installed_mixer():
-    """transformers 5.2x trains Mamba-1 through mamba_inner_fn, never mambapy: the label must say so."""
-    import inspect
-
+def test_mambapy_label_follows_what_the_mixer_really_trains_through(monkeypatch):
+    """The label says mambapy exactly when a training forward of transformers' own Mamba-1 mixer (no
+    mamba_ssm here) calls mambapy's parallel scan."""
+    pscan_module = pytest.importorskip("mambapy.pscan")
     from transformers import MambaConfig
     from transformers.models.mamba import modeling_mamba
 
-    trains_inner = "mamba_inner_fn" in inspect.unwrap(modeling_mamba.MambaMixer.forward).__code__.co_names
-    assert mamba_family._mambapy_trains() is (not trains_inner)
-    if trains_inner and not torch.cuda.is_available():
-        assert mamba_family.kernel_path(MambaConfig()) == "torch-reference"
+    calls = []
+    real = pscan_module.pscan
+    monkeypatch.setattr(pscan_module, "pscan", lambda *a: calls.append(1) or real(*a))
+    config = MambaConfig(hidden_size=16, state_size=4, num_hidden_layers=1, vocab_size=32, use_mambapy=True)
+    mixer = modeling_mamba.MambaMixer(config, layer_idx=0).train()
+    mixer(torch.randn(1, 8, 16, requires_grad=True)).sum().backward()
+    assert mamba_family._mambapy_trains() is bool(calls)
+    if not torch.cuda.is_available():
+        assert mamba_family.kernel_path(MambaConfig()) == ("mambapy" if calls else "torch-reference")
 
 
 def test_importable_is_stricter_than_installed(tmp_path, monkeypatch):

@@ -10,9 +10,8 @@ first that can run here and passes its start-up self-check, trainer/families/mam
   short convolution as fla's Triton ``causal_conv1d``. No compiled extension is needed: fla and triton
   are pure-Python wheels.
 - ``mambapy`` (Mamba-1 without mamba_ssm): the mambapy package's parallel scan, pure PyTorch, about
-  15x faster than the sequential reference loop on a CPU - but only where transformers' mixer trains
-  through it; transformers 5.2x trains through ``mamba_inner_fn`` and uses mambapy for evaluation and
-  generation only, so training is then labelled ``torch-reference`` (``_mambapy_trains``).
+  15x faster than the sequential reference loop on a CPU, where transformers' mixer trains through it
+  (``_mambapy_trains``: transformers 5.24 does, after its ``mamba_inner_fn`` finds no mamba_ssm).
 - ``torch-reference``: transformers' PyTorch code. Fine for tests on a CPU; on a GPU it is slow and,
   for Mamba-2, memory-hungry, so a GPU run on it prints a loud warning.
 
@@ -81,15 +80,20 @@ def _fla_usable() -> bool:
 
 
 def _mambapy_trains() -> bool:
-    """Whether this transformers' Mamba-1 mixer trains through mambapy. From 5.2x it trains through
-    ``mamba_inner_fn`` (mamba_ssm, else transformers' own PyTorch fallback) and passes ``use_mambapy``
-    only on its no-training branch, so mambapy then speeds up evaluation and generation, not training."""
+    """Whether this transformers' Mamba-1 mixer trains through mambapy (where mamba_ssm does not run).
+
+    Before 5.2x the training forward called the selective scan, which takes ``use_mambapy``. From 5.2x it
+    calls ``mamba_inner_fn`` first: a hub-kernel wrapper that returns mamba_ssm's fused output where mamba_ssm
+    runs and None elsewhere, and the forward then falls through (``fused_output``) to the same scan with
+    ``use_mambapy``. tests/families/test_mamba.py checks this against the mixer itself (pscan is called)."""
     try:
         from transformers.models.mamba import modeling_mamba
     except ImportError:
         return False
-    called = inspect.unwrap(modeling_mamba.MambaMixer.forward).__code__.co_names
-    return "mamba_inner_fn" not in called
+    code = inspect.unwrap(modeling_mamba.MambaMixer.forward).__code__
+    if "mamba_inner_fn" not in code.co_names:
+        return True
+    return "fused_output" in code.co_varnames and "mamba_selective_scan" in code.co_names
 
 
 def _cuda_available() -> bool:
