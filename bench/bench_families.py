@@ -154,24 +154,8 @@ def missing_kernels(row: Row, cuda: bool) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def forced_reference_path():
-    """Mamba on transformers' PyTorch code even where faster kernels exist (the baseline row)."""
-    from trainer import families
-    from trainer.families import mamba
-
-    original_family, original_path = families.FAMILIES["mamba"], mamba.kernel_path
-
-    def reference(hf_config):
-        return mamba.KERNEL_REFERENCE
-
-    mamba.kernel_path = reference
-    families.FAMILIES["mamba"] = dataclasses.replace(original_family, kernel_path=reference)
-    try:
-        yield
-    finally:
-        mamba.kernel_path = original_path
-        families.FAMILIES["mamba"] = original_family
+# model.kernel_path of a "reference" row: transformers' PyTorch code (Mamba), fla's naive recurrence (GLA)
+REFERENCE_PATHS = {"mamba": "torch-reference", "mamba2": "torch-reference", "gla": "fla-naive-torch"}
 
 
 def kit_config(folder: Path, row: Row, seq: int, smoke: bool):
@@ -184,6 +168,9 @@ def kit_config(folder: Path, row: Row, seq: int, smoke: bool):
                 "name_or_path": str(folder),
                 "random_init": True,
                 "dtype": "fp32" if smoke else "bf16",
+                "kernel_path": REFERENCE_PATHS[row.model["model_type"]]
+                if row.path == "reference"
+                else "auto",
             },
             "training": {"method": row.method, "seed": 0},
             "lora": {
@@ -334,8 +321,7 @@ def run_row(row: Row, steps: int, seq: int, smoke: bool) -> dict:
         folder = model_dir(Path(tmp), model_config)
         cfg = kit_config(folder, dataclasses.replace(row, model=model_config), seq, smoke)
         with contextlib.ExitStack() as stack:
-            if row.path == "reference":  # for the whole row: the kernels are bound at call time
-                stack.enter_context(forced_reference_path())
+            if row.path == "reference":  # model.kernel_path picks it; the ops stay unbound for the whole row
                 stack.enter_context(reference_ops(model_config["model_type"]))
             loaded = load_for_training(cfg, device)
             result.update(timed_training(loaded, cfg, row, seq, steps, device, model_config["vocab_size"]))

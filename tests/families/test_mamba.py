@@ -379,3 +379,24 @@ def test_unset_targets_take_the_family_defaults_for_this_kernel_path(tmp_path, m
         if ".lora_A." in name
     }
     assert wrapped == expected
+
+
+@pytest.mark.parametrize("path, scans", [("mambapy", True), ("torch-reference", False)])
+def test_mamba1_kernel_path_decides_whether_mambapy_trains(tmp_path, monkeypatch, path, scans):
+    """`mambapy` trains through mambapy's parallel scan; `torch-reference` is transformers' sequential scan,
+    the baseline the fast paths are measured against, even where mambapy is installed."""
+    pscan_module = pytest.importorskip("mambapy.pscan")
+    if not mamba_family._mambapy_trains():
+        pytest.skip("this transformers' Mamba-1 mixer never trains through mambapy")
+    from trainer.model.loading import load_for_training
+
+    calls = []
+    real = pscan_module.pscan
+    monkeypatch.setattr(pscan_module, "pscan", lambda *a: calls.append(1) or real(*a))
+    cfg = load_config(family_config(tmp_path, "tiny-mamba", ["in_proj"], {"model": {"kernel_path": path}}))
+    loaded = load_for_training(cfg, torch.device("cpu"))
+    assert loaded.report["kernel_path"] == path
+    ids = torch.randint(3, 100, (1, 16))
+    loaded.model.train()
+    loaded.model(input_ids=ids, labels=ids).loss.backward()
+    assert bool(calls) is scans

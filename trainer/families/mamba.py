@@ -357,7 +357,11 @@ def load_mamba(model_cfg, config, **kwargs):
     path = kernel_path(config)
     use_kernel_path(config.model_type, path)
     if config.model_type == "mamba":
-        config.use_mambapy = _installed("mambapy") and path != KERNEL_MAMBA_SSM  # at least for evaluation
+        # mambapy's scan on its own path; on torch-reference only where this transformers' training forward
+        # never reaches it (then it still speeds up evaluation), so that path stays the sequential reference.
+        config.use_mambapy = path == KERNEL_MAMBAPY or (
+            path == KERNEL_REFERENCE and _installed("mambapy") and not _mambapy_trains()
+        )
     if kwargs.pop("from_config", False):
         return model_cls._from_config(config, dtype=kwargs.get("dtype"))
     return model_cls.from_pretrained(
