@@ -232,19 +232,30 @@ def reference_check(model, row: Row, device, vocab: int) -> dict | None:
 
 
 @contextlib.contextmanager
+def gla_op_replaced(op):
+    """fla's GLA layer calls its ops through module globals: every one of them is ``op`` for the block."""
+    import fla.layers.gla as layer
+
+    from trainer.families.gla import GLA_OPS
+
+    saved = {name: getattr(layer, name) for name in GLA_OPS}
+    for name in GLA_OPS:
+        setattr(layer, name, op)
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(layer, name, original)
+
+
+@contextlib.contextmanager
 def reference_ops(kind: str):
     """Temporarily put the reference implementations back (GLA: fla's naive op; Mamba: transformers')."""
     if kind == "gla":
-        import fla.layers.gla as layer
+        from trainer.families.gla_reference import naive_gla
 
-        from trainer.families.gla import naive_gla
-
-        saved = (layer.chunk_gla, layer.fused_chunk_gla, layer.fused_recurrent_gla)
-        layer.chunk_gla = layer.fused_chunk_gla = layer.fused_recurrent_gla = naive_gla
-        try:
+        with gla_op_replaced(naive_gla):
             yield
-        finally:
-            layer.chunk_gla, layer.fused_chunk_gla, layer.fused_recurrent_gla = saved
     else:
         from trainer.families.mamba import reference_kernels
 

@@ -40,10 +40,10 @@ def noisy(tensor, eps: float, gen):
 def perturbed_gla_op(eps: float, seed: int = 0):
     """fla's GLA layer calls its op through module globals; put a naive op there whose output (forward) and
     input gradients (backward) carry an error of relative size ``eps``, as the Triton kernel's do."""
-    import fla.layers.gla as layer
     import torch
+    from bench_families import gla_op_replaced
 
-    from trainer.families.gla import naive_gla
+    from trainer.families.gla_reference import naive_gla
 
     gen = torch.Generator().manual_seed(seed)
 
@@ -76,12 +76,8 @@ def perturbed_gla_op(eps: float, seed: int = 0):
         o, state = naive_gla(q, k, v, *args, **kwargs)
         return OutputError.apply(o), state
 
-    saved = (layer.chunk_gla, layer.fused_chunk_gla, layer.fused_recurrent_gla)
-    layer.chunk_gla = layer.fused_chunk_gla = layer.fused_recurrent_gla = op
-    try:
+    with gla_op_replaced(op):
         yield
-    finally:
-        layer.chunk_gla, layer.fused_chunk_gla, layer.fused_recurrent_gla = saved
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,3 +94,19 @@ def test_peft_bench_task_is_a_learnable_sst2_and_configs_differ_only_in_the_meth
     assert (configs["sdlora"].lora.method, configs["lora_ga"].lora.init) == ("sdlora", "lora_ga")
     plain = {m: {**c.to_dict(), "paths": None, "lora": None} for m, c in configs.items()}
     assert plain["lora"] == plain["sdlora"] == plain["lora_ga"]
+
+
+def test_gla_sensitivity_measures_nothing_without_an_error_and_something_with_one(tmp_path):
+    """bench/gla_sensitivity.py: the reference against itself is identical; an injected op error shows up in
+    the logits and the LoRA gradients (the check would read 0 if the perturbed op were never called)."""
+    load_bench()  # gla_sensitivity imports bench_families by name
+    spec = importlib.util.spec_from_file_location("gla_sensitivity", REPO / "bench" / "gla_sensitivity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = {}
+    for eps in (0.0, 1e-2):
+        out = tmp_path / f"{eps}.json"
+        assert module.main(["--layers", "1", "--seq", "16", "--eps", str(eps), "--out", str(out)]) == 0
+        results[eps] = json.loads(out.read_text())
+    assert results[0.0]["max_abs_logit_diff"] == 0.0 and results[0.0]["grad_rel_diff"] == 0.0
+    assert results[1e-2]["max_abs_logit_diff"] > 0 and 0 < results[1e-2]["grad_rel_diff"] < 1

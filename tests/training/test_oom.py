@@ -148,3 +148,18 @@ def test_oom_on_one_rank_without_the_fallback_fails_every_rank_with_the_message(
     result = launch_two_ranks(write_config(extra), "train:2@0")
     assert result.returncode != 0
     assert "out of memory on one of the ranks at step 2" in result.stderr
+
+
+def test_oom_demo_has_rows_for_every_process(tmp_path):
+    """bench/oom_demo_gpu.py --processes N: the corpus N times over, so micro-batch 64 on two ranks is not
+    refused for too few rows before any OOM can happen."""
+    import importlib.util
+
+    from tests.helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("oom_demo_gpu", REPO / "bench" / "oom_demo_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    shipped = (REPO / "data" / "tiny_corpus.jsonl").read_text().splitlines()
+    assert module.corpus(tmp_path, 1) == REPO / "data" / "tiny_corpus.jsonl"
+    assert module.corpus(tmp_path, 2).read_text().splitlines() == shipped * 2
