@@ -233,11 +233,21 @@ def run_hf(
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def run_unsloth(anchors: Path, steps: int, model: Path | None = None) -> dict[str, dict]:
-    """Unsloth's three settings through the shared anchor script (each in its own process there).
+SETTINGS = {"lora+gc": ("lora", True), "qlora+gc": ("qlora", True), "lora": ("lora", False)}
+UNSLOTH_VARIANTS = {
+    "lora+gc": "unsloth-lora-bf16",
+    "qlora+gc": "unsloth-qlora-nf4",
+    "lora": "unsloth-lora-bf16-nogc",
+}
+
+
+def run_unsloth(
+    anchors: Path, steps: int, model: Path | None = None, settings: tuple[str, ...] = tuple(SETTINGS)
+) -> dict[str, dict]:
+    """Unsloth's settings through the shared anchor script (each in its own process there).
 
     ``model``: a model folder other than the anchor's own Llama-1B (the Qwen3 row), as its MODEL_DIR."""
-    env = {**os.environ, "STEPS": str(steps)}
+    env = {**os.environ, "STEPS": str(steps), "ONLY": ",".join(UNSLOTH_VARIANTS[s] for s in settings)}
     if model is not None:
         env["MODEL_DIR"] = str(model)
     try:
@@ -255,9 +265,7 @@ def run_unsloth(anchors: Path, steps: int, model: Path | None = None) -> dict[st
     for line in str(result.stdout).splitlines():
         if line.startswith("RESULT "):
             row = json.loads(line[len("RESULT ") :])
-            setting = {"unsloth-lora-bf16": "lora+gc", "unsloth-qlora-nf4": "qlora+gc"}.get(
-                row["name"], "lora"
-            )
+            setting = {v: k for k, v in UNSLOTH_VARIANTS.items()}[row["name"]]
             rows[setting] = {
                 "tokens_per_sec": row.get("tokens_per_s"),
                 "peak_gib": row.get("peak_gib"),
@@ -266,7 +274,6 @@ def run_unsloth(anchors: Path, steps: int, model: Path | None = None) -> dict[st
     return rows
 
 
-SETTINGS = {"lora+gc": ("lora", True), "qlora+gc": ("qlora", True), "lora": ("lora", False)}
 SHAPES = {"llama": ("llama-1b", LLAMA_1B), "qwen3": ("qwen3-0.6b", QWEN3_06B)}
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION = ALL_LINEAR[:4]  # glm4_moe's experts are fused 3-D parameters in transformers 5, not nn.Linear
@@ -326,6 +333,7 @@ def measure(
     anchors: Path | None,
     repeat: int = 1,
     progress=None,
+    settings: tuple[str, ...] = tuple(SETTINGS),
 ) -> list[dict]:
     """Each setting of one shape. The kit and Unsloth run ``repeat`` times, alternating (every kit setting,
     then one Unsloth invocation, which covers all three settings), so host-speed drift hits both alike;
@@ -333,13 +341,13 @@ def measure(
     repeat (main saves them: a call cut off by its time limit keeps the repeats it finished)."""
     name, config = SHAPES[shape]
     model = model_dir(root / "models", name, config, weights=True)
-    cells = {setting: {"shape": shape, "setting": setting} for setting in SETTINGS}
-    ours: dict[str, list[dict]] = {setting: [] for setting in SETTINGS}
-    unsloth: dict[str, list[dict]] = {setting: [] for setting in SETTINGS}
+    cells = {setting: {"shape": shape, "setting": setting} for setting in settings}
+    ours: dict[str, list[dict]] = {setting: [] for setting in settings}
+    unsloth: dict[str, list[dict]] = {setting: [] for setting in settings}
     for i in range(repeat):
         tag = "" if i == 0 else f" r{i + 1}"
-        for setting, (method, gc) in SETTINGS.items():
-            cell = cells[setting]
+        for setting in settings:
+            (method, gc), cell = SETTINGS[setting], cells[setting]
             if "ours" in impls:
                 run = run_ours(root, f"{shape} {setting}{tag}", model, method, steps, gc, ALL_LINEAR)
                 ours[setting].append(run)
@@ -353,8 +361,8 @@ def measure(
                 if impl in impls:
                     cell[impl] = run_hf(model, steps, method == "qlora", gc, liger)
         if "unsloth" in impls and anchors is not None:
-            rows = run_unsloth(anchors, steps, None if shape == "llama" else model)
-            for setting in SETTINGS:
+            rows = run_unsloth(anchors, steps, None if shape == "llama" else model, settings)
+            for setting in settings:
                 unsloth[setting].append(rows.get(setting, {"error": "no result"}))
         for setting, cell in cells.items():
             for impl, runs in (("ours", ours[setting]), ("unsloth", unsloth[setting])):
@@ -586,6 +594,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=comma_list((*SHAPES, "glm"), "shape", empty_ok=True),
         help='llama, qwen3, glm ("": none, for --loss-steps / --resume-check alone)',
     )
+    parser.add_argument(
+        "--settings",
+        default=",".join(SETTINGS),
+        type=comma_list(tuple(SETTINGS), "setting"),
+        help="llama/qwen3",
+    )
     parser.add_argument("--impl", default="ours,ref,hf,liger,unsloth", type=comma_list(tuple(IMPLS), "impl"))
     parser.add_argument("--anchors", type=Path, help="folder with unsloth_bench.py (../shared/anchors)")
     parser.add_argument(
@@ -619,7 +633,9 @@ def main() -> None:
             results["rows"].append(measure_glm(root, impls, args.steps))
         else:  # after each repeat, the rows so far: results["rows"] grows only when measure returns
             progress = lambda cells: save_results(root, {**results, "rows": results["rows"] + cells})  # noqa: E731
-            results["rows"] += measure(root, shape, impls, args.steps, args.anchors, args.repeat, progress)
+            results["rows"] += measure(
+                root, shape, impls, args.steps, args.anchors, args.repeat, progress, tuple(args.settings)
+            )
         save_results(root, results)
     if results["rows"]:
         print_table(results["rows"])

@@ -224,11 +224,36 @@ def reference_check(model, row: Row, device, vocab: int) -> dict | None:
     fast_logits, fast_grads = forward_backward()
     with reference_ops(kind):
         slow_logits, slow_grads = forward_backward()
-    return {
+    result = {
         "max_abs_logit_diff": float((fast_logits - slow_logits).abs().max()),
         "max_abs_logit": float(slow_logits.abs().max()),
         "grad_rel_diff": float((fast_grads - slow_grads).norm() / slow_grads.norm().clamp_min(1e-30)),
     }
+    if kind == "gla":  # what an fp32 run trains through (trainer.families.gla: TF32 inside chunk_gla)
+        with gla_attention_mode(model, "fused_recurrent") as mode:
+            fp32_logits, fp32_grads = forward_backward()
+        result["fp32_run_mode"] = mode
+        result["fp32_run_max_abs_logit_diff"] = float((fp32_logits - slow_logits).abs().max())
+        result["fp32_run_grad_rel_diff"] = float(
+            (fp32_grads - slow_grads).norm() / slow_grads.norm().clamp_min(1e-30)
+        )
+    return result
+
+
+@contextlib.contextmanager
+def gla_attention_mode(model, mode: str):
+    """Every GLA attention layer of ``model`` runs ``mode`` for the block (fla reads ``layer.mode`` per call)."""
+    from fla.layers.gla import GatedLinearAttention
+
+    layers = [m for m in model.modules() if isinstance(m, GatedLinearAttention)]
+    saved = [layer.mode for layer in layers]
+    for layer in layers:
+        layer.mode = mode
+    try:
+        yield mode
+    finally:
+        for layer, old in zip(layers, saved):
+            layer.mode = old
 
 
 @contextlib.contextmanager
@@ -384,6 +409,10 @@ def table(results: list[dict]) -> str:
         )
         if check and check["max_abs_logit_diff"] == 0.0:
             check_text += " (identical: did the fast path engage?)"
+        if check and "fp32_run_grad_rel_diff" in check:
+            check_text += (
+                f"; fp32 runs ({check['fp32_run_mode']}): grad rel {check['fp32_run_grad_rel_diff']:.2g}"
+            )
         peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "-"
         lines.append(
             f"{r['row']:28} {r['kernel_path']:17} {r['total_params_m']:>6}M "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 from tests.helpers import REPO
 
@@ -110,3 +111,33 @@ def test_gla_sensitivity_measures_nothing_without_an_error_and_something_with_on
         results[eps] = json.loads(out.read_text())
     assert results[0.0]["max_abs_logit_diff"] == 0.0 and results[0.0]["grad_rel_diff"] == 0.0
     assert results[1e-2]["max_abs_logit_diff"] > 0 and 0 < results[1e-2]["grad_rel_diff"] < 1
+
+
+def test_gla_loss_curve_trains_each_path_and_compares_step_by_step(tmp_path):
+    """bench/gla_loss_curve.py on CPU: the reference path against itself trains the same curve (0 apart),
+    on the widened model the script builds, and a failed path is reported, not compared."""
+    spec = importlib.util.spec_from_file_location("gla_loss_curve", REPO / "bench" / "gla_loss_curve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "curve.json"
+    common = "--steps 2 --hidden 64 --layers 1 --heads 2 --seq 64 --batch 2".split()
+    assert module.main([*common, "--paths", "fla-naive-torch,fla-naive-torch", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["kernel_path"] for r in result["runs"]] == ["fla-naive-torch"] * 2
+    assert result["comparison"]["steps"] == 2 and result["comparison"]["max_abs_diff"] == 0.0
+    assert 5 < result["comparison"]["first"][0] < 9  # a random 1024-token model: about ln(1024)
+    built = json.loads((Path(result["model"]) / "config.json").read_text())
+    assert (built["hidden_size"], built["num_hidden_layers"], built["num_heads"]) == (64, 1, 2)
+
+
+def test_gla_attention_mode_switches_every_layer_for_the_block_only():
+    """bench_families' fp32 check reruns the model on fused_recurrent_gla (what fp32 runs train through)."""
+    from fla.models import GLAConfig, GLAForCausalLM
+
+    bench = load_bench()
+    model = GLAForCausalLM(GLAConfig(hidden_size=32, num_hidden_layers=2, num_heads=2, vocab_size=64))
+    layers = [m for name, m in model.named_modules() if name.endswith("attn")]
+    assert len(layers) == 2 and {layer.mode for layer in layers} == {"chunk"}
+    with bench.gla_attention_mode(model, "fused_recurrent"):
+        assert {layer.mode for layer in layers} == {"fused_recurrent"}
+    assert {layer.mode for layer in layers} == {"chunk"}

@@ -77,9 +77,9 @@ def recorded(monkeypatch, tmp_path):
         calls.append(("liger" if liger else "hf", quantize, checkpointing, targets and tuple(targets)))
         return row(50.0)
 
-    def run_unsloth(anchors, steps, model=None):
-        calls.append(("unsloth",))
-        return {setting: row(200.0 + len(calls)) for setting in bench.SETTINGS}
+    def run_unsloth(anchors, steps, model=None, settings=tuple(bench.SETTINGS)):
+        calls.append(("unsloth", *settings))
+        return {setting: row(200.0 + len(calls)) for setting in settings}
 
     monkeypatch.setattr(bench, "model_dir", lambda *a, **k: tmp_path)
     monkeypatch.setattr(bench, "run_ours", run_ours)
@@ -97,6 +97,7 @@ def test_repeats_alternate_every_kit_setting_with_one_unsloth_call(recorded, tmp
 
     cells = bench.measure(tmp_path, "llama", impls, 12, tmp_path, repeat=2, progress=progress)
     order = [c[0] if c[0] != "ours" else c[1] for c in recorded]
+    assert recorded[-1] == ("unsloth", *bench.SETTINGS)
     assert order == [
         "llama lora+gc",
         "llama lora+gc ref",
@@ -118,6 +119,34 @@ def test_repeats_alternate_every_kit_setting_with_one_unsloth_call(recorded, tmp
     assert first["unsloth"]["tokens_per_sec_runs"] == [210.0, 214.0]
     assert "tokens_per_sec_runs" not in first["ref"] and "tokens_per_sec_runs" not in first["liger"]
     assert len(saved) == 2 and saved[0][0]["ours"]["tokens_per_sec"] == 101.0  # after repeat 1 alone
+
+
+def test_settings_pick_the_cells_and_the_unsloth_variants(recorded, tmp_path):
+    """``--settings qlora+gc`` repeats one setting: the kit's runs and Unsloth's variant for it alone."""
+    cells = bench.measure(
+        tmp_path, "llama", {"ours", "unsloth"}, 12, tmp_path, repeat=2, settings=("qlora+gc",)
+    )
+    assert [c["setting"] for c in cells] == ["qlora+gc"]
+    assert recorded == [
+        ("ours", "llama qlora+gc", tuple(bench.ALL_LINEAR), None),
+        ("unsloth", "qlora+gc"),
+        ("ours", "llama qlora+gc r2", tuple(bench.ALL_LINEAR), None),
+        ("unsloth", "qlora+gc"),
+    ]
+    assert bench.parse_args(["--settings", "qlora+gc,lora"]).settings == ["qlora+gc", "lora"]
+
+
+def test_unsloth_runs_only_the_variants_of_the_settings_asked_for(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(command, cwd, capture_output, text, env, timeout):
+        seen["only"] = env["ONLY"]
+        line = 'RESULT {"name": "unsloth-qlora-nf4", "tokens_per_s": 5.0, "peak_gib": 1.0}'
+        return bench.subprocess.CompletedProcess(command, 0, line, "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    rows = bench.run_unsloth(tmp_path, 3, settings=("qlora+gc",))
+    assert seen["only"] == "unsloth-qlora-nf4" and rows["qlora+gc"]["tokens_per_sec"] == 5.0
 
 
 def test_glm_row_runs_trainer_peft_on_the_attention_projections_and_prints_the_ratio(recorded, tmp_path):
