@@ -115,30 +115,6 @@ def test_lora_linear_with_bias_and_4bit_base_matches_eager():
         assert rel_err(mine, theirs) < 1e-5
 
 
-@pytest.mark.parametrize("cache", [True, False])
-def test_nested_block_scales_are_dequantized_once_when_cached(monkeypatch, cache):
-    """memory.nf4_absmax_cache: the fp32 block scales equal bitsandbytes' own; cached, the second use launches
-    nothing (the frozen base never changes them); off, each use dequantizes again."""
-    pytest.importorskip("bitsandbytes")
-    import bitsandbytes.functional as bnbf
-
-    from trainer.fastpath import lora_ops
-
-    monkeypatch.setattr(lora_ops, "cache_absmax", cache)
-    _, state = bnbf.quantize_4bit(torch.randn(64, 128), quant_type="nf4", compress_statistics=True)
-    expected = bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
-    first = lora_ops.block_absmax(state)
-    assert torch.equal(first, expected)
-    monkeypatch.setattr(torch.ops.bitsandbytes, "dequantize_blockwise", None)  # any launch now fails
-    if cache:
-        assert lora_ops.block_absmax(state) is first
-    else:
-        with pytest.raises(AttributeError):
-            lora_ops.block_absmax(state)
-    _, flat = bnbf.quantize_4bit(torch.randn(64, 128), quant_type="nf4", compress_statistics=False)
-    assert lora_ops.block_absmax(flat) is flat.absmax
-
-
 def test_lora_mlp_matches_eager_swiglu():
     torch.manual_seed(2)
     hidden, inter, r = 32, 80, 4
@@ -518,10 +494,10 @@ def test_offloading_follows_the_memory_setting(write_config, monkeypatch):
     monkeypatch.setattr(
         loading.fastpath, "apply", lambda m, d, **kw: seen.append(kw) or real_apply(m, d, **kw)
     )
-    for memory, expected, absmax in (
-        ({"gradient_checkpointing": True}, True, True),
-        ({"gradient_checkpointing": True, "offload_checkpoints": False}, False, True),
-        ({"gradient_checkpointing": False, "nf4_absmax_cache": False}, False, False),
+    for memory, expected in (
+        ({"gradient_checkpointing": True}, True),
+        ({"gradient_checkpointing": True, "offload_checkpoints": False}, False),
+        ({"gradient_checkpointing": False}, False),
     ):
         cfg = load_config(
             write_config(
@@ -533,7 +509,7 @@ def test_offloading_follows_the_memory_setting(write_config, monkeypatch):
             )
         )
         loading.load_for_training(cfg, torch.device("cpu"))
-        assert seen[-1] == {"offload": expected, "cache_absmax": absmax}, memory
+        assert seen[-1] == {"offload": expected}, memory
 
 
 def test_offloaded_checkpointing_hands_a_tuple_returning_layer_to_torchs_own():

@@ -263,9 +263,6 @@ class MemoryConfig:
     # With checkpointing on the CUDA fast path (LoRA, QLoRA): each layer's input waits in pinned host memory
     # until its backward, copied on a side stream (trainer/fastpath/offload.py).
     offload_checkpoints: Bool = True
-    # QLoRA on the CUDA fast path: each 4-bit weight's block scales dequantized once and kept (0.5 bits per
-    # parameter, e.g. 61 MB on Llama-1B, 4.4 GB on a 70B) instead of three times a step.
-    nf4_absmax_cache: Bool = True
     # Cross-entropy in checkpointed chunks of tokens, never the full fp32 logits (plain-head causal LMs).
     chunked_loss: Bool = True
     oom_fallback: Bool = True

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from trainer.data.dataset import IGNORE
 from trainer.families import ModelLoadError
 from trainer.families import head as model_head
-from trainer.fastpath import lora_ops, selfcheck
+from trainer.fastpath import selfcheck
 from trainer.fastpath.offload import offload_checkpointed_layers
 from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_qkv_groups, patch_swiglu_mlps
 
@@ -152,13 +152,10 @@ def _quiet_liger():
         logger.setLevel(level)
 
 
-def apply(
-    model, decision: Decision, rms_norm: str = "torch", offload: bool = False, cache_absmax: bool = True
-) -> FastPathReport:
+def apply(model, decision: Decision, rms_norm: str = "torch", offload: bool = False) -> FastPathReport:
     """Put the fast path on ``model`` where ``decision`` allows; the report says what was done and carries the
     self-check's measured errors. ``offload``: checkpointed layers keep their inputs in pinned host memory
-    (trainer/fastpath/offload.py). ``cache_absmax``: 4-bit block scales dequantized once (lora_ops)."""
-    lora_ops.cache_absmax = cache_absmax
+    (trainer/fastpath/offload.py)."""
     target = model_head.unwrap(model)
     checks = [c.as_dict() for c in decision.checks]
     if not decision.enabled:

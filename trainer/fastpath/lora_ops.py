@@ -54,35 +54,19 @@ def dequantize_4bit_into(packed: torch.Tensor, state) -> torch.Tensor:
     The same kernels bitsandbytes' own function launches (absmax first when double-quantized), without
     its Python checks: a step dequantizes every weight three times (forward, recompute, backward), and
     the host time of those calls, not the kernels, is what bounds a QLoRA step on an H100."""
+    ops = torch.ops.bitsandbytes
+    absmax = state.absmax
+    if state.nested:
+        inner = state.state2
+        absmax = ops.dequantize_blockwise.default(
+            absmax, inner.absmax, inner.code, inner.blocksize, torch.float32
+        )
+        absmax += state.offset
     out = _dequant_buffer(tuple(state.shape), state.dtype, packed.device)
-    torch.ops.bitsandbytes.dequantize_4bit.out(
-        packed, block_absmax(state), state.blocksize, state.quant_type, state.shape, state.dtype, out=out
+    ops.dequantize_4bit.out(
+        packed, absmax, state.blocksize, state.quant_type, state.shape, state.dtype, out=out
     )
     return out
-
-
-cache_absmax = True  # set by trainer.fastpath.apply from memory.nf4_absmax_cache
-
-
-def block_absmax(state) -> torch.Tensor:
-    """The fp32 scale of every 4-bit block; double-quantized (nested) scales are dequantized first.
-
-    The base weights are frozen, so their scales never change: with ``cache_absmax`` they are dequantized
-    once and kept on the quant state (0.5 bits per parameter, 1/8 of the 4-bit weights themselves), which
-    takes two of the three launches out of every dequantization, three times a step for each weight."""
-    if not state.nested:
-        return state.absmax
-    cached = getattr(state, "_kit_absmax", None)
-    if cached is not None:
-        return cached
-    inner = state.state2
-    absmax = torch.ops.bitsandbytes.dequantize_blockwise.default(
-        state.absmax, inner.absmax, inner.code, inner.blocksize, torch.float32
-    )
-    absmax += state.offset
-    if cache_absmax:
-        state._kit_absmax = absmax
-    return absmax
 
 
 _BUFFERS: dict[tuple, torch.Tensor] = {}

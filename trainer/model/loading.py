@@ -369,12 +369,7 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice) -> t
         model = apply_peft(model, cfg, family, upcast_for_kbit=not fast.enabled)
     report = size_report(model, cfg.training.method)
     offload = cfg.memory.gradient_checkpointing and cfg.memory.offload_checkpoints
-    fast_report = fastpath.apply(
-        model,
-        fast,
-        offload=offload and cfg.training.method in ("lora", "qlora"),
-        cache_absmax=cfg.memory.nf4_absmax_cache,
-    )
+    fast_report = fastpath.apply(model, fast, offload=offload and cfg.training.method in ("lora", "qlora"))
     report["fast_path"] = fast_report.as_dict()
     if fast_report.enabled:
         report.update(fast_attention.apply(model, device, cfg.data.packing, cfg.model.attn_implementation))
