@@ -186,7 +186,7 @@ def load_base_model(cfg: Config, family: Family, hf_config, device: torch.device
     if cfg.model.random_init:
         # bitsandbytes quantizes while loading weights, so random weights take a detour through disk.
         with tempfile.TemporaryDirectory(prefix="init-model-") as tmp:
-            family.load(cfg.model, hf_config, from_config=True, dtype=dtype).save_pretrained(tmp)
+            save_random_init(family.load(cfg.model, hf_config, from_config=True, dtype=dtype), tmp)
             local = type(cfg.model)(**{**cfg.model.__dict__, "name_or_path": tmp, "revision": None})
             return family.load(local, hf_config, **kwargs)
     try:
@@ -196,6 +196,15 @@ def load_base_model(cfg: Config, family: Family, hf_config, device: torch.device
         raise ModelLoadError(
             f"model.name_or_path: cannot load weights of '{cfg.model.name_or_path}': {first_line}"
         ) from exc
+
+
+def save_random_init(model: torch.nn.Module, folder: str) -> None:
+    """Config and weights into ``folder`` on every rank: save_pretrained writes on rank 0 only once
+    torch.distributed is up, and each rank reads its own temporary folder back."""
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(folder)
+    save_model(model, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
 
 
 def disable_cpu_bf16_repack(model: torch.nn.Module) -> int:

@@ -50,13 +50,14 @@ def make_accelerator(cfg: Config):
     """accelerate owns processes, devices and mixed precision; with training.distributed fsdp and several
     processes, also the sharding (FSDP2). One process has nothing to shard: it trains as it would anyway."""
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import DataLoaderConfiguration
+    from accelerate.utils import DataLoaderConfiguration, parse_flag_from_env
 
     plugin = None
     if fsdp.wanted(cfg):
-        if PartialState().num_processes > 1:
+        processes = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator would
+        if processes.num_processes > 1:
             plugin = fsdp.make_plugin(cfg)
-        elif PartialState().is_main_process:
+        else:
             print("training.distributed: fsdp with one process shards nothing; training as one process")
     accelerator = Accelerator(
         mixed_precision=cfg.training.mixed_precision,
