@@ -302,6 +302,9 @@ def test_lora_under_fsdp_equals_one_process_resumes_exactly_and_its_adapter_load
     weights = dict(loaded.named_parameters())
     key = next(k for k in final_two if "lora_B" in k)
     assert torch.equal(weights[key.replace(".weight", ".default.weight")].detach(), final_two[key])
+    exported = run_trainer("export", str(two / "final-checkpoint-6"), "--out", str(tmp_path / "export"))
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "export" / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -313,6 +316,7 @@ def test_qlora_moe_under_fsdp_equals_one_process(tmp_path):
         "training": {"method": "qlora", "distributed": "fsdp", "max_steps": 3, "save_steps": 3},
         "quantization": {"compute_dtype": "fp32"},
         "eval": {"interval": 100},
+        "logging": {"expert_interval": 1},
     }
     one_cfg, one = llama_config(tmp_path, "one", extra)
     result = run_trainer("train", "--config", str(one_cfg))  # fsdp with one process: trains as one process
@@ -323,6 +327,9 @@ def test_qlora_moe_under_fsdp_equals_one_process(tmp_path):
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     assert_same_losses(losses(two), losses(one))
     assert (two / "final-checkpoint-3" / "adapter_model.safetensors").is_file()
+    # Expert routing is still counted (hooks on the sharded routers) and logged by rank 0.
+    routed = list(iter_records(two / "logs" / runfolder.EXPERT_LOG))
+    assert [r["step"] for r in routed] == [1, 2, 3]
 
 
 @pytest.mark.slow
