@@ -40,7 +40,7 @@ from trainer.training import fsdp
             ["training.method=qlora", "fsdp.cpu_ram_efficient_loading=true"],
             "fsdp.cpu_ram_efficient_loading: 4-bit weights",
         ),
-        (["fsdp.state_dict=local"], "fsdp.state_dict: expected one of 'sharded', 'full', got 'local'"),
+        (["fsdp.wrap_classes=LlamaDecoderLayer"], "fsdp.wrap_classes: expected a list of strings or null"),
         (["fsdp.cpu_offlaod=true"], "unknown key 'fsdp.cpu_offlaod' (did you mean 'cpu_offload'?)"),
     ],
 )
@@ -68,14 +68,13 @@ def test_plugin_carries_the_fsdp_section():
             "training.distributed=fsdp",
             "fsdp.reshard_after_forward=false",
             "fsdp.cpu_offload=true",
-            "fsdp.state_dict=full",
         ],
     )
     plugin = fsdp.make_plugin(cfg)
     assert plugin.fsdp_version == 2
     assert plugin.reshard_after_forward is False
     assert isinstance(plugin.cpu_offload, CPUOffloadPolicy)
-    assert plugin.state_dict_type == StateDictType.FULL_STATE_DICT
+    assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
     assert plugin.activation_checkpointing is False
 
 
@@ -334,16 +333,23 @@ def test_qlora_moe_under_fsdp_equals_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_full_fine_tune_under_fsdp_saves_sharded_state_and_a_consolidated_model(tmp_path):
+    """Also with the other FSDP options: layers kept gathered after forward (an evaluation right before the
+    save must free them, or the optimizer no longer knows the parameters) and FSDP's activation checkpointing."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    extra = {"training": {"method": "full", "max_steps": 2, "save_steps": 2}, "eval": {"interval": 100}}
+    extra = {"training": {"method": "full", "max_steps": 2, "save_steps": 2}, "eval": {"interval": 1}}
     one_cfg, one = llama_config(tmp_path, "one", extra)
     assert run_trainer("train", "--config", str(one_cfg)).returncode == 0
-    two_cfg, two = llama_config(tmp_path, "two", deep_merge(extra, {"training": {"distributed": "fsdp"}}))
+    options = {"reshard_after_forward": False, "activation_checkpointing": True}
+    two_cfg, two = llama_config(
+        tmp_path, "two", deep_merge(extra, {"training": {"distributed": "fsdp"}, "fsdp": options})
+    )
     sharded = launch_two(two_cfg)
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     assert_same_losses(losses(two), losses(one))
+    evals = [r["eval_loss"] for r in iter_records(two / "logs" / runfolder.EVAL_LOG)]
+    assert evals == pytest.approx([r["eval_loss"] for r in iter_records(one / "logs" / runfolder.EVAL_LOG)])
     final = two / "final-checkpoint-2"
     assert len(list((final / "training_state" / "pytorch_model_fsdp_0").glob("*.distcp"))) == 2
     model = AutoModelForCausalLM.from_pretrained(final)  # the consolidated model, on one process

@@ -289,10 +289,6 @@ class FsdpConfig:
     cpu_ram_efficient_loading: Bool = False
     # The module classes that become one FSDP unit each; null: the model's decoder layer (_no_split_modules).
     wrap_classes: list[Str] | None = None
-    # sharded: every rank writes its shard of the optimizer (and, for full fine-tuning, model) state
-    # (torch.distributed.checkpoint); full: gathered to rank 0 into one file. The adapter (or full model)
-    # is always also saved consolidated, for from_pretrained on one process.
-    state_dict: Literal["sharded", "full"] = "sharded"
 
 
 @dataclass(config=SECTION)

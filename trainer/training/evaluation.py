@@ -131,4 +131,6 @@ class Evaluator:
         is_best = best_is(value, best, self.cfg)
         self.log.append(EvalRecord.from_result(step, result, metric_for_best(self.cfg), is_best))
         self.log.event("eval_done", step=step, eval_loss=result.get("eval_loss"), metric_value=value)
+        if fsdp.active(self.accelerator):
+            fsdp.reshard(self.model)  # no backward followed these forwards to free the gathered layers
         return {**result, "step": step}

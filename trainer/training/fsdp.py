@@ -51,7 +51,9 @@ def make_plugin(cfg: Config):
             cpu_ram_efficient_loading=f.cpu_ram_efficient_loading,
             auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=list(f.wrap_classes) if f.wrap_classes else None,
-            state_dict_type="SHARDED_STATE_DICT" if f.state_dict == "sharded" else "FULL_STATE_DICT",
+            # Each rank writes its shard of the training state (torch.distributed.checkpoint); the weights are
+            # also gathered whole by the checkpoint code. (FULL_STATE_DICT fails on the optimizer in torch 2.13.)
+            state_dict_type="SHARDED_STATE_DICT",
         )
 
 
@@ -107,6 +109,17 @@ def prepare_wrapping(accelerator, model: torch.nn.Module, cfg: Config) -> list[s
     names = wrap_classes(model, cfg.fsdp.wrap_classes)
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = names
     return names
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every gathered layer. A forward without backward (evaluation, generation) leaves the layers
+    that keep their weights after forward (fsdp.reshard_after_forward: false, and always the root) gathered:
+    whole weights in memory, and parameters the optimizer does not know."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 # ---------------------------------------------------------------- consolidated weights (rank 0)
@@ -175,12 +188,13 @@ def load_adapter(
 
 def save_training_state(accelerator, model, optimizer, scheduler, directory: Path, with_model: bool) -> None:
     """Optimizer (and, for full fine-tuning, model) state as accelerate writes it for FSDP2: each rank its
-    shard (torch.distributed.checkpoint) or rank 0 the whole (fsdp.state_dict: full); scheduler and every
-    rank's RNG state beside them. Every rank calls it."""
+    shard (torch.distributed.checkpoint); scheduler and every rank's RNG state beside them. Every rank
+    calls it."""
     from accelerate.checkpointing import save_accelerator_state
     from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
 
     plugin = accelerator.state.fsdp_plugin
+    reshard(model)
     directory.mkdir(parents=True, exist_ok=True)
     if with_model:
         save_fsdp_model(plugin, accelerator, model, str(directory))
