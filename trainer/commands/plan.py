@@ -30,6 +30,13 @@ def add_plan_arguments(parser) -> None:
     parser.add_argument(
         "--memory-limit-mb", type=float, default=None, help="plan for this much memory instead"
     )
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="training.distributed fsdp: predict each GPU's peak for this many (default: the processes "
+        "this runs in, else the visible GPUs)",
+    )
 
 
 def register(subparsers) -> None:
@@ -95,6 +102,19 @@ def recorded_plan(cfg):
         return None
 
 
+def fsdp_gpus(args) -> int:
+    """--gpus, else the processes this runs in (accelerate launch), else the visible GPUs, at least 1."""
+    import os
+
+    if getattr(args, "gpus", None):
+        return args.gpus
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return int(os.environ["WORLD_SIZE"])
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
 def plan_and_record(cfg, args):
     """Run the planner, print the table, write plan.json; the chosen config, or None when nothing fits."""
     from trainer.config import ConfigError
@@ -106,17 +126,22 @@ def plan_and_record(cfg, args):
         raise ConfigError(f"--lengths: expected comma-separated integers, got {args.lengths!r}") from None
     if any(length < 8 for length in lengths):
         raise ConfigError("--lengths: expected lengths >= 8")
+    gpus = fsdp_gpus(args)
     chosen, candidates, limit = plan(
-        cfg, lengths, args.plan_steps, args.margin, args.memory_limit_mb, faults=args.faults
+        cfg, lengths, args.plan_steps, args.margin, args.memory_limit_mb, faults=args.faults, fsdp_gpus=gpus
     )
+    sharded = cfg.training.distributed == "fsdp" and gpus > 1
+    per_gpu = f"{f'GPU MB x{gpus}':>12}" if sharded else ""
     print(
-        f"{'micro':>6}{'accum':>7}{'length':>8}{'tokens/s':>12}{'peak MB':>10}  status (limit {limit:,.0f} MB)"
+        f"{'micro':>6}{'accum':>7}{'length':>8}{'tokens/s':>12}{'peak MB':>10}{per_gpu}  "
+        f"status (limit {limit:,.0f} MB)"
     )
     for c in candidates:
         mark = "  <- chosen" if c is chosen else ""
         tps = f"{c.tokens_per_sec:,.0f}" if c.tokens_per_sec else "-"
         peak = f"{c.peak_mb:,.0f}" if c.peak_mb else "-"
-        print(f"{c.micro:>6}{c.accum:>7}{c.max_length:>8}{tps:>12}{peak:>10}  {c.status}{mark}")
+        each = (f"{c.per_gpu_mb:>12,.0f}" if c.per_gpu_mb else f"{'-':>12}") if sharded else ""
+        print(f"{c.micro:>6}{c.accum:>7}{c.max_length:>8}{tps:>12}{peak:>10}{each}  {c.status}{mark}")
     out = Path(cfg.paths.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = {

@@ -110,6 +110,9 @@ class TrainingConfig:
     save_steps: Int = limit(50, gt=0)
     keep_top_k: Int = limit(2, ge=1)
     resume: Literal["auto", "never"] = "auto"
+    # ddp: every process holds the whole model. fsdp: parameters, gradients and optimizer state are sharded
+    # across the processes (PyTorch FSDP2 through accelerate; the fsdp section; docs/fsdp.md).
+    distributed: Literal["ddp", "fsdp"] = "ddp"
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainingConfig:
@@ -270,6 +273,25 @@ class MemoryConfig:
 
 
 @dataclass(config=SECTION)
+class FsdpConfig:
+    """FSDP2 settings, read when training.distributed is fsdp (trainer/training/fsdp.py)."""
+
+    # Free each layer's gathered weights after its forward (gathered again for backward): less memory,
+    # one more all-gather per layer. false keeps them until backward (ZeRO-2-like).
+    reshard_after_forward: Bool = True
+    # Sharded parameters, gradients and optimizer state live in host memory; the optimizer steps on the CPU.
+    cpu_offload: Bool = False
+    # Recompute each decoder layer in backward, applied by FSDP around the wrapped layers (instead of
+    # memory.gradient_checkpointing, which the model applies itself).
+    activation_checkpointing: Bool = False
+    # Rank 0 alone reads the weights; the others start on the meta device and receive their shards.
+    # Not for 4-bit models (bitsandbytes quantizes on load on every rank).
+    cpu_ram_efficient_loading: Bool = False
+    # The module classes that become one FSDP unit each; null: the model's decoder layer (_no_split_modules).
+    wrap_classes: list[Str] | None = None
+
+
+@dataclass(config=SECTION)
 class PerformanceConfig:
     tf32: Bool = True
     # CUDA fast path for causal LMs (trainer/fastpath): auto takes it where it applies, on insists, off never.
@@ -300,6 +322,7 @@ class Config:
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    fsdp: FsdpConfig = Field(default_factory=FsdpConfig)
     performance: PerformanceConfig = Field(default_factory=PerformanceConfig)
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
 
@@ -325,6 +348,52 @@ class Config:
                 "bf16 with training.mixed_precision fp16; use fp16 for both",
                 "quantization.compute_dtype",
                 "training.mixed_precision",
+                "training.method",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp_combinations(self) -> Config:
+        """What FSDP cannot run, refused before any model loads (docs/fsdp.md)."""
+        if self.training.distributed != "fsdp":
+            return self
+        blame = "training.distributed"
+        if self.model.family in ("gla", "mamba"):
+            raise rule(
+                f"the {self.model.family} family runs its own kernels, which FSDP does not shard yet; "
+                "use training.distributed ddp",
+                "model.family",
+                blame,
+            )
+        if self.performance.fast_path == "on":
+            raise rule(
+                "the CUDA fast path reads whole weights, which FSDP keeps sharded; use auto or off",
+                "performance.fast_path",
+                blame,
+            )
+        if self.lora.init == "lora_ga" or self.lora.method == "sdlora":
+            key, value = ("init", "lora_ga") if self.lora.init == "lora_ga" else ("method", "sdlora")
+            raise rule(
+                f"{value} prepares the adapters from whole base weights, not available with fsdp yet",
+                f"lora.{key}",
+                blame,
+            )
+        if self.training.mixed_precision == "fp16":
+            raise rule(
+                "fp16's loss scaling is not kept in FSDP checkpoints here; use bf16 (or no)",
+                "training.mixed_precision",
+                blame,
+            )
+        if self.fsdp.activation_checkpointing and self.memory.gradient_checkpointing:
+            raise rule(
+                "recomputes every decoder layer, as memory.gradient_checkpointing does; set only one of them",
+                "fsdp.activation_checkpointing",
+                "memory.gradient_checkpointing",
+            )
+        if self.fsdp.cpu_ram_efficient_loading and self.training.method == "qlora":
+            raise rule(
+                "4-bit weights are quantized while every rank loads them; set it to false for qlora",
+                "fsdp.cpu_ram_efficient_loading",
                 "training.method",
             )
         return self

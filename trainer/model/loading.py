@@ -152,9 +152,17 @@ def quantization_config(cfg: Config, family_skip: tuple[str, ...] = ()):
         bnb_4bit_quant_type=q.quant_type,
         bnb_4bit_use_double_quant=q.double_quant,
         bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
-        bnb_4bit_quant_storage=torch.uint8,
+        bnb_4bit_quant_storage=quant_storage(cfg),
         llm_int8_skip_modules=skip,
     )
+
+
+def quant_storage(cfg: Config) -> torch.dtype:
+    """The dtype packed 4-bit weights are stored in: bytes, except under FSDP, which shards only floating
+    tensors and casts every weight of a layer alike: there the compute dtype (as Answer.AI's FSDP-QLoRA)."""
+    if cfg.training.distributed == "fsdp":
+        return DTYPES[cfg.quantization.compute_dtype]
+    return torch.uint8
 
 
 def cuda_index(device: torch.device) -> int:
@@ -178,7 +186,7 @@ def load_base_model(cfg: Config, family: Family, hf_config, device: torch.device
     if cfg.model.random_init:
         # bitsandbytes quantizes while loading weights, so random weights take a detour through disk.
         with tempfile.TemporaryDirectory(prefix="init-model-") as tmp:
-            family.load(cfg.model, hf_config, from_config=True, dtype=dtype).save_pretrained(tmp)
+            save_random_init(family.load(cfg.model, hf_config, from_config=True, dtype=dtype), tmp)
             local = type(cfg.model)(**{**cfg.model.__dict__, "name_or_path": tmp, "revision": None})
             return family.load(local, hf_config, **kwargs)
     try:
@@ -188,6 +196,15 @@ def load_base_model(cfg: Config, family: Family, hf_config, device: torch.device
         raise ModelLoadError(
             f"model.name_or_path: cannot load weights of '{cfg.model.name_or_path}': {first_line}"
         ) from exc
+
+
+def save_random_init(model: torch.nn.Module, folder: str) -> None:
+    """Config and weights into ``folder`` on every rank: save_pretrained writes on rank 0 only once
+    torch.distributed is up, and each rank reads its own temporary folder back."""
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(folder)
+    save_model(model, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
 
 
 def disable_cpu_bf16_repack(model: torch.nn.Module) -> int:
@@ -284,13 +301,18 @@ def size_report(model: torch.nn.Module, method: str) -> dict:
     except ImportError:
         params4 = ()
     total = trainable = quantized = unquantized_bytes = expert_bytes = 0
+    packed_experts = set()  # FSDP's floating storage of packed experts: counted once, as 4-bit
     for module in model.modules():
         if isinstance(module, QuantizedExpertWeights):
             total += module.numel()
             quantized += module.numel()
+            packed_experts.update(id(p) for p in module.parameters())
     for name, param in model.named_parameters():
+        if id(param) in packed_experts:
+            continue
         is_4bit = bool(params4) and isinstance(param, params4)
-        count = param.numel() * 2 if is_4bit else param.numel()  # two 4-bit values per stored byte
+        # two 4-bit values per stored byte, whatever dtype stores them (FSDP: the compute dtype)
+        count = param.numel() * param.element_size() * 2 if is_4bit else param.numel()
         total += count
         if param.requires_grad:
             trainable += count
@@ -344,7 +366,14 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice) -> t
         check_lora_config(cfg, family, hf_config)
     kernel_path = family.kernel_path(hf_config)
     print(_kernel_line(family, model_type, choice), flush=True)
-    if family.name == "causal":
+    if cfg.training.distributed == "fsdp" and family.name != "causal":
+        raise ModelLoadError(
+            f"training.distributed: fsdp is not available for the {family.name} family (its own kernels "
+            "read whole weights); use ddp"
+        )
+    if cfg.training.distributed == "fsdp":
+        fast = fastpath.Decision(False, "training.distributed: fsdp keeps weights sharded")
+    elif family.name == "causal":
         fast = fastpath.decide(cfg.performance.fast_path, device, compute)
     else:
         fast = fastpath.Decision(
@@ -357,7 +386,9 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice) -> t
                 "lora.target_parameters: the fused expert weights are 4-bit (quantization.quantize_experts: true); "
                 "set it to false to put LoRA on experts"
             )
-        quantize_fused_experts(model, cfg.quantization.quant_type, cfg.quantization.double_quant)
+        quantize_fused_experts(
+            model, cfg.quantization.quant_type, cfg.quantization.double_quant, quant_storage(cfg)
+        )
     disable_cpu_bf16_repack(model)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False

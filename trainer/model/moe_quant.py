@@ -20,7 +20,9 @@ from torch import nn
 class QuantizedExpertWeights(nn.Module):
     """Stands in for a 3-D expert parameter; ``[i]`` returns expert i dequantized."""
 
-    def __init__(self, weight: torch.Tensor, quant_type: str, double_quant: bool):
+    def __init__(
+        self, weight: torch.Tensor, quant_type: str, double_quant: bool, storage: torch.dtype = torch.uint8
+    ):
         super().__init__()
         import bitsandbytes.functional as bnbf
 
@@ -34,7 +36,12 @@ class QuantizedExpertWeights(nn.Module):
                 compress_statistics=double_quant,
                 quant_type=quant_type,
             )
-            self.register_buffer(f"packed_{index}", packed)
+            if storage != torch.uint8 and packed.numel() % storage.itemsize == 0:
+                # Same bytes, seen as a floating tensor FSDP can shard; viewed back as bytes to dequantize.
+                stored = packed.reshape(-1).view(storage)
+                self.register_parameter(f"packed_{index}", nn.Parameter(stored, requires_grad=False))
+            else:
+                self.register_buffer(f"packed_{index}", packed)
             self.quant_states.append(state)
 
     def __len__(self) -> int:
@@ -44,9 +51,10 @@ class QuantizedExpertWeights(nn.Module):
         import bitsandbytes.functional as bnbf
 
         index = int(index)
-        return bnbf.dequantize_4bit(getattr(self, f"packed_{index}"), self.quant_states[index]).to(
-            self.compute_dtype
-        )
+        packed = getattr(self, f"packed_{index}")
+        if packed.dtype != torch.uint8:
+            packed = packed.view(torch.uint8).reshape(-1, 1)
+        return bnbf.dequantize_4bit(packed, self.quant_states[index]).to(self.compute_dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -60,7 +68,7 @@ class QuantizedExpertWeights(nn.Module):
         return int(torch.tensor(self.shape).prod())
 
     def stored_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        return sum(t.numel() * t.element_size() for t in (*self.buffers(), *self.parameters()))
 
 
 def fused_expert_parameters(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
@@ -75,12 +83,14 @@ def fused_expert_parameters(model: nn.Module) -> list[tuple[nn.Module, str, str]
     return found
 
 
-def quantize_fused_experts(model: nn.Module, quant_type: str, double_quant: bool) -> int:
+def quantize_fused_experts(
+    model: nn.Module, quant_type: str, double_quant: bool, storage: torch.dtype = torch.uint8
+) -> int:
     """Replace fused expert parameters by 4-bit storage in place; returns how many were replaced."""
     replaced = 0
     for module, name, _ in fused_expert_parameters(model):
         weight = getattr(module, name)
-        quantized = QuantizedExpertWeights(weight, quant_type, double_quant)
+        quantized = QuantizedExpertWeights(weight, quant_type, double_quant, storage)
         delattr(module, name)
         module.add_module(name, quantized)
         if hasattr(module, "config") and getattr(module.config, "_experts_implementation", None) not in (

@@ -68,12 +68,19 @@ def recommend(memory_gib: float, compute_capability: str | None = None) -> list[
         rows = sorted((r for r in RULES if r.model == model), key=lambda r: -r.min_gib)
         rule = next((r for r in rows if memory_gib >= r.min_gib), None)
         if rule is None:
+            gpus = fsdp_gpus_needed(model, rows[-1].min_gib, memory_gib)
+            shard = (
+                f"training.distributed: fsdp across {gpus} such GPUs (QLoRA weights split {gpus} ways)"
+                if gpus
+                else "more GPUs (training.distributed: fsdp)"
+            )
             out.append(
                 {
                     "model": model,
                     "fits": False,
+                    "fsdp_gpus": gpus,
                     "advice": f"a {model} model does not fit one {memory_gib:.0f} GiB GPU even with QLoRA "
-                    f"(needs {rows[-1].min_gib:g} GiB or more): use more GPUs (FSDP) or a smaller model",
+                    f"(needs {rows[-1].min_gib:g} GiB or more): use {shard} or a smaller model",
                 }
             )
             continue
@@ -83,6 +90,17 @@ def recommend(memory_gib: float, compute_capability: str | None = None) -> list[
         entry["overrides"] = overrides(entry)
         out.append(entry)
     return out
+
+
+QLORA_GIB_PER_BILLION = 0.6  # 4-bit weights with their quantization constants
+
+
+def fsdp_gpus_needed(model: str, one_gpu_gib: float, memory_gib: float) -> int | None:
+    """The fewest GPUs (2, 4 or 8) of ``memory_gib`` that hold a QLoRA ``model`` under FSDP: its 4-bit
+    weights divided among them, the rest of the one-GPU budget (activations, adapter, optimizer) on each."""
+    weights = float(model.rstrip("B")) * QLORA_GIB_PER_BILLION
+    rest = max(one_gpu_gib - weights, 0.0)
+    return next((n for n in (2, 4, 8) if weights / n + rest <= memory_gib), None)
 
 
 def _mixed_precision(compute_capability: str | None) -> str | None:

@@ -3,6 +3,11 @@
 Candidates keep the configured effective batch (micro-batch x accumulation) and try each of the
 given sequence lengths; a candidate that runs out of memory, or peaks above
 ``(1 - margin) x device memory``, is rejected. Throughput is measured after one warm-up step.
+
+Under FSDP (training.distributed: fsdp) across N GPUs the dry run still happens on one device, and the peak
+each GPU would see is predicted from it: the parameters, gradients and optimizer state are divided by N
+(each rank holds its shard), activations are not (each rank runs its own micro-batch), plus one decoder
+layer gathered whole at a time (two with prefetching).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class Candidate:
     tokens_per_sec: float | None = None
     peak_mb: float | None = None
     status: str = "untested"  # ok, oom, over_margin
+    per_gpu_mb: float | None = None  # FSDP: the predicted peak of each of fsdp_gpus GPUs
+    fsdp_gpus: int | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -115,6 +122,30 @@ def measure(
         free_memory()
 
 
+def tensor_mb(tensors) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t)) / 2**20
+
+
+def sharded_state_mb(model, optimizer) -> tuple[float, float]:
+    """(what FSDP shards: parameters, gradients and optimizer state; the largest wrapped layer's parameters)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [v for per_param in optimizer.state.values() for v in per_param.values()]
+    layers = [
+        m for m in model.modules() if type(m).__name__ in set(getattr(model, "_no_split_modules", ()) or ())
+    ]
+    largest = max((tensor_mb(m.parameters()) for m in layers), default=0.0)
+    return tensor_mb(params) + tensor_mb(grads) + tensor_mb(state), largest
+
+
+def fsdp_per_gpu_mb(peak_mb: float, sharded_mb: float, layer_mb: float, gpus: int) -> float:
+    """One device's measured peak, predicted for each of ``gpus`` under FSDP: the sharded part divided by
+    ``gpus``, activations as measured, plus two gathered layers (the current one and the prefetched next)."""
+    if gpus <= 1:
+        return peak_mb
+    return peak_mb - sharded_mb * (1 - 1 / gpus) + 2 * layer_mb * (1 - 1 / gpus)
+
+
 def plan(
     cfg: Config,
     lengths: list[int],
@@ -122,6 +153,7 @@ def plan(
     margin: float = 0.1,
     memory_limit_mb: float | None = None,
     faults: Faults = NO_FAULTS,
+    fsdp_gpus: int | None = None,
 ):
     """Dry-run every candidate on the real model; returns (chosen candidate or None, all candidates, limit MB)."""
     from accelerate import Accelerator
@@ -142,9 +174,16 @@ def plan(
     limit = (memory_limit_mb or device_memory_mb(accelerator.device)) * (1 - margin)
     effective = cfg.training.micro_batch_size * cfg.training.gradient_accumulation_steps
     candidates = candidate_shapes(effective, lengths)
+    gpus = fsdp_gpus if cfg.training.distributed == "fsdp" else None
     for candidate in candidates:
         measure(model, optimizer, candidate, steps, accelerator, vocab, kernels.loss, faults)
-        if candidate.status == "ok" and candidate.peak_mb > limit:
+        peak = candidate.peak_mb
+        if candidate.status == "ok" and gpus:
+            sharded, layer = sharded_state_mb(accelerator.unwrap_model(model), optimizer)
+            candidate.per_gpu_mb = round(fsdp_per_gpu_mb(peak, sharded, layer, gpus), 1)
+            candidate.fsdp_gpus = gpus
+            peak = candidate.per_gpu_mb
+        if candidate.status == "ok" and peak > limit:
             candidate.status = "over_margin"
     fitting = [c for c in candidates if c.status == "ok"]
     chosen = max(fitting, key=lambda c: c.tokens_per_sec) if fitting else None

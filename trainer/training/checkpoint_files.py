@@ -133,30 +133,50 @@ def fsync_tree(path: Path) -> None:
 
 
 def save_checkpoint(
-    accelerator, model, tokenizer, output_dir: Path, name: str, state: dict, faults: Faults = NO_FAULTS
+    accelerator,
+    model,
+    tokenizer,
+    output_dir: Path,
+    name: str,
+    state: dict,
+    faults: Faults = NO_FAULTS,
+    optimizer_and_scheduler: tuple = (None, None),
 ) -> Path:
     """Write the weights (adapter or full model), tokenizer, accelerate state and trainer_state.json.
 
-    Every process takes part (accelerate writes per-process RNG states); rank 0 renames.
+    Every process takes part (accelerate writes per-process RNG states; FSDP gathers the weights from
+    every rank and writes its state shards); rank 0 renames.
     """
+    from trainer.training import fsdp  # here: discovery and pruning stay free of torch
+
     final = output_dir / name
     tmp = output_dir / f"{TMP_PREFIX}{name}"
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / STATE_DIR))
+    unwrapped = accelerator.unwrap_model(model)
+    is_peft = hasattr(unwrapped, "peft_config")
+    weights = None  # None: save_pretrained reads the model's own (whole) weights
+    if fsdp.active(accelerator):
+        optimizer, scheduler = optimizer_and_scheduler
+        fsdp.save_training_state(accelerator, model, optimizer, scheduler, tmp / STATE_DIR, not is_peft)
+        is_main = accelerator.is_main_process
+        weights = fsdp.gather_trainable(model, is_main) if is_peft else fsdp.gather_full_model(model)
+    else:
+        accelerator.save_state(str(tmp / STATE_DIR))
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        if hasattr(unwrapped, "peft_config"):
-            from trainer import peft_methods  # here: discovery and pruning stay free of torch
+        if is_peft:
+            from trainer import peft_methods
 
             # The base embeddings/head are unchanged (no vocabulary resize): the adapter alone is enough.
-            unwrapped.save_pretrained(tmp, safe_serialization=True, save_embedding_layers=False)
+            unwrapped.save_pretrained(
+                tmp, safe_serialization=True, save_embedding_layers=False, state_dict=weights
+            )
             peft_methods.save_into(
                 unwrapped, tmp
             )  # LoRA-GA's init, SDLoRA's SSM tensors (if the method has them)
         else:
-            unwrapped.save_pretrained(tmp, safe_serialization=True)
+            unwrapped.save_pretrained(tmp, safe_serialization=True, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         faults.during_save(name)  # tests: die like SIGKILL half-way through a save
         (tmp / TRAINER_STATE).write_text(json.dumps({**state, "ts": round(time.time(), 3)}, indent=2) + "\n")

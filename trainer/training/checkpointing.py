@@ -13,6 +13,7 @@ from pathlib import Path
 from trainer import peft_methods, runfolder
 from trainer.config import Config
 from trainer.training import checkpoint_files as ckpt
+from trainer.training import fsdp
 from trainer.training.evaluation import best_is, metric_value
 from trainer.training.faults import NO_FAULTS, Faults
 from trainer.training.step import Position, StepShape
@@ -84,12 +85,23 @@ def skip_model_state(accelerator) -> None:
     accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
 
 
-def restore(resume_from, accelerator, model, state: LoopState) -> None:
+def restore(resume_from, accelerator, model, state: LoopState, optimizer=None, scheduler=None) -> None:
     """Optimizer, scheduler, RNG and weights from the checkpoint; the loop's position from its state file.
 
-    A saved OOM shape is kept when it still feeds the configured rows per step."""
-    accelerator.load_state(str(resume_from.path / ckpt.STATE_DIR))
-    load_checkpoint_weights(model, resume_from.path, accelerator)
+    A saved OOM shape is kept when it still feeds the configured rows per step. Under FSDP the training state
+    is sharded (trainer/training/fsdp.py) and the consolidated adapter is copied into the sharded model."""
+    if fsdp.active(accelerator):
+        adapter = resume_from.path / "adapter_model.safetensors"
+        fsdp.load_training_state(
+            accelerator, model, optimizer, scheduler, resume_from.path / ckpt.STATE_DIR, not adapter.is_file()
+        )
+        if adapter.is_file():
+            from safetensors.torch import load_file
+
+            fsdp.load_adapter(model, load_file(str(adapter)))
+    else:
+        accelerator.load_state(str(resume_from.path / ckpt.STATE_DIR))
+        load_checkpoint_weights(model, resume_from.path, accelerator)
     saved = resume_from.state
     state.step = saved["step"]
     state.pos = Position(saved["epoch_index"], saved["rows_seen"])
@@ -110,6 +122,8 @@ class Checkpointer:
     output_dir: Path
     log: runfolder.RunLog
     faults: Faults = NO_FAULTS
+    optimizer: object = None  # FSDP writes their sharded state itself (trainer/training/fsdp.py)
+    scheduler: object = None
 
     def save(self, kind: str, state: LoopState) -> None:
         """kind: periodic, signal, oom or final. Updates ``state.best`` when this step's evaluation is better."""
@@ -127,6 +141,7 @@ class Checkpointer:
             f"{prefix}{state.step}",
             saved,
             self.faults,
+            (self.optimizer, self.scheduler),
         )
         state.best = saved["best_metric"]
         if not self.accelerator.is_main_process:

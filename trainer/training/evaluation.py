@@ -18,6 +18,7 @@ from trainer.config import Config
 from trainer.data.dataset import Sequence, collate
 from trainer.runfolder import EvalRecord, MetricForBest
 from trainer.runfolder import metric_value as runfolder_metric_value
+from trainer.training import fsdp
 from trainer.training.faults import Faults
 from trainer.training.oom_retry import free_memory, is_oom
 from trainer.training.step import LossFn, count_targets
@@ -36,11 +37,18 @@ def evaluate_loss(model, val: list[Sequence], cfg: Config, accelerator, pad_id: 
         batches = batches[: cfg.eval.max_batches]
     loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     tokens = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    for ids in batches[rank::world]:
+    mine = batches[rank::world]
+    rounds = len(mine)
+    if fsdp.active(accelerator) and batches:
+        # Every forward gathers weights from all ranks: each runs as many (a repeat, not counted, if short).
+        rounds = -(-len(batches) // world)
+    for k in range(rounds):
+        ids = mine[k] if k < len(mine) else (mine or batches)[-1]
         batch = collate([val[i] for i in ids], pad_id)
         ce_sum, _ = loss(model, batch, accelerator)
-        loss_sum += ce_sum.double()
-        tokens += count_targets(batch)
+        if k < len(mine):
+            loss_sum += ce_sum.double()
+            tokens += count_targets(batch)
     loss_sum = accelerator.reduce(loss_sum, "sum")
     tokens = accelerator.reduce(tokens, "sum")
     model.train(was_training)
@@ -123,4 +131,6 @@ class Evaluator:
         is_best = best_is(value, best, self.cfg)
         self.log.append(EvalRecord.from_result(step, result, metric_for_best(self.cfg), is_best))
         self.log.event("eval_done", step=step, eval_loss=result.get("eval_loss"), metric_value=value)
+        if fsdp.active(self.accelerator):
+            fsdp.reshard(self.model)  # no backward followed these forwards to free the gathered layers
         return {**result, "step": step}

@@ -25,7 +25,7 @@ from trainer.monitor.experts import ExpertCounter
 from trainer.monitor.notify import Notifier
 from trainer.monitor.telemetry import TelemetrySampler
 from trainer.training import checkpoint_files as ckpt
-from trainer.training import console, run_status, trackers
+from trainer.training import console, fsdp, run_status, trackers
 from trainer.training.checkpointing import (
     Checkpointer,
     LoopState,
@@ -47,14 +47,27 @@ from trainer.training.task_eval import load_task, resolve_metric
 
 
 def make_accelerator(cfg: Config):
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration
+    """accelerate owns processes, devices and mixed precision; with training.distributed fsdp and several
+    processes, also the sharding (FSDP2). One process has nothing to shard: it trains as it would anyway."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DataLoaderConfiguration, parse_flag_from_env
 
-    return Accelerator(
+    plugin = None
+    if fsdp.wanted(cfg):
+        processes = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator would
+        if processes.num_processes > 1:
+            plugin = fsdp.make_plugin(cfg)
+        else:
+            print("training.distributed: fsdp with one process shards nothing; training as one process")
+    accelerator = Accelerator(
         mixed_precision=cfg.training.mixed_precision,
         dataloader_config=DataLoaderConfiguration(non_blocking=cfg.performance.pin_memory),
+        fsdp_plugin=plugin,
         **trackers.accelerator_kwargs(cfg),
     )
+    if plugin is not None:
+        fsdp.enable_on_cpu(accelerator, plugin)
+    return accelerator
 
 
 def prepare_output_dir(cfg: Config, accelerator) -> Path:
@@ -87,6 +100,8 @@ def setup_optimizer(model, cfg: Config, accelerator, total_steps: int):
     """Optimizer and schedule, prepared by accelerate; its checkpoints hold them but not the weights."""
     optimizer = make_optimizer(model, cfg, accelerator.device.type == "cuda")
     scheduler = make_scheduler(optimizer, cfg, total_steps)
+    if fsdp.active(accelerator):
+        fsdp.prepare_wrapping(accelerator, model, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     skip_model_state(accelerator)
@@ -140,15 +155,23 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
     aux_coef = float(getattr(accelerator.unwrap_model(model).config, "router_aux_loss_coef", 0.0) or 0.0)
     # Several processes: gradients synced after the ranks agree no rank ran out of memory. Not for full
     # fine-tuning, whose gradients are the model's size: there DDP's all-reduce overlapping backward is kept.
-    coordinated_oom = world > 1 and cfg.memory.oom_fallback and cfg.training.method != "full"
+    # Nor under FSDP, whose gradients are reduce-scattered into shards during backward.
+    coordinated_oom = (
+        world > 1
+        and cfg.memory.oom_fallback
+        and cfg.training.method != "full"
+        and not fsdp.active(accelerator)
+    )
     step = Step(model, accelerator, loss, counter, aux_coef, data.train, pad_id, coordinated_oom)
     evaluator = Evaluator(
         model, tokenizer, data.val, task, task_examples, cfg, accelerator, pad_id, loss, counter, log, faults
     )
-    checkpointer = Checkpointer(accelerator, model, tokenizer, cfg, output_dir, log, faults)
+    checkpointer = Checkpointer(
+        accelerator, model, tokenizer, cfg, output_dir, log, faults, optimizer, scheduler
+    )
     oom = OomFallback(cfg, log, optimizer, world, is_main, faults, model if coordinated_oom else None)
     if resume_from is not None:
-        restore(resume_from, accelerator, model, state)
+        restore(resume_from, accelerator, model, state, optimizer, scheduler)
 
     notifier, tracking = open_run(
         cfg, accelerator, output_dir, log, loaded, data, total_steps, state.step, resume_from, config_source
@@ -218,6 +241,8 @@ def loss_and_grad_norm(accelerator, model, result, cfg: Config) -> tuple[float, 
     loss = accelerator.reduce(result.loss_sum, "sum") / result.targets
     max_norm = cfg.optimization.max_grad_norm or float("inf")
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: a replicated DTensor
+        grad_norm = grad_norm.full_tensor()
     if not torch.is_tensor(grad_norm):  # some backends hand back a float
         return float(loss), float(grad_norm)
     both = torch.stack([loss.detach().float(), grad_norm.detach().float().to(loss.device)]).tolist()

@@ -55,16 +55,23 @@ def evaluate_generation(model, tokenizer, task, examples: list[dict], cfg: Confi
     """Each rank generates for its share of the examples; predictions are gathered in order, then scored."""
     from accelerate.utils import gather_object
 
+    from trainer.training import fsdp
     from trainer.training.generation import generate
 
     world, rank = accelerator.num_processes, accelerator.process_index
     mine = list(range(rank, len(examples), world))
+    kwargs = generation_kwargs(cfg, task)
+    run = mine
+    if fsdp.active(accelerator) and examples:
+        # Every forward gathers weights from all ranks: each rank runs as many batches (padded with repeats,
+        # whose text is dropped) and keeps stepping until all ranks are done (synced_gpus).
+        share = -(-len(examples) // world)
+        run = (mine or [0]) + [(mine or [0])[-1]] * (share - len(mine or [0]))
+        kwargs["synced_gpus"] = True
     texts = []
-    if mine:
-        prompts = [task.prompt(examples[i]) for i in mine]
-        texts = generate(
-            accelerator.unwrap_model(model), tokenizer, prompts, **generation_kwargs(cfg, task)
-        ).texts
+    if run:
+        prompts = [task.prompt(examples[i]) for i in run]
+        texts = generate(accelerator.unwrap_model(model), tokenizer, prompts, **kwargs).texts[: len(mine)]
     pairs = list(zip(mine, texts))
     if world > 1:
         pairs = gather_object(pairs)

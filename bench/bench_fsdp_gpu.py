@@ -1,0 +1,351 @@
+"""FSDP2 against DDP on 1, 2 and 4 GPUs: per-GPU peak memory, tokens/s, loss equality, exact resume.
+
+Offline: the models are random-initialised from configs written here (no download), with the layer shapes of
+a dense 8B (Llama-3-8B) and of GLM-4.5-Air (glm4_moe), and fewer layers; the per-GPU figure of the full
+model follows from the per-layer one (printed as "per layer"). Every cell is a real `python -m trainer train`
+(under `accelerate launch` for several GPUs) whose run folder gives the numbers: rank 0's peak allocated
+memory (training_log.jsonl `peak_mem_mb`, steps after the first) and the median tokens/s of all ranks.
+
+    python bench/bench_fsdp_gpu.py --out /tmp/fsdp-bench                      # everything, on the GPUs here
+    python bench/bench_fsdp_gpu.py --out /tmp/fsdp-bench --gpus 1,2 --only memory
+    python bench/bench_fsdp_gpu.py --out /tmp/fsdp-smoke --smoke              # CPU, tiny shapes: the script runs
+
+Sections (--only): memory (DDP vs FSDP per model, method and GPU count), equality (fp32 LoRA, FSDP on N GPUs
+against one GPU over the same rows: max |loss difference|), resume (FSDP on 2 GPUs, SIGKILL after
+checkpoint-2, restart: the losses against the uninterrupted run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from trainer.runfolder import iter_records, last_per_step  # noqa: E402
+
+ROWS_PER_STEP = 4  # sequences per optimizer step, whatever the GPU count (micro 1 x accumulation 4/N x N)
+
+DENSE_8B = {  # Llama-3-8B's layer shapes
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "rope_theta": 500000.0,
+    "full_layers": 32,
+}  # fmt: skip
+GLM_AIR = {  # GLM-4.5-Air's (zai-org/GLM-4.5-Air config.json)
+    "model_type": "glm4_moe", "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151552,
+    "n_routed_experts": 128, "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+    "partial_rotary_factor": 0.5, "use_qk_norm": False, "attention_bias": True, "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "full_layers": 46,
+}  # fmt: skip
+SMOKE_SHAPES = {  # CPU: the same architectures, tiny
+    "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1024, "n_routed_experts": 4, "num_experts_per_tok": 2,
+}  # fmt: skip
+
+
+def write_model(folder: Path, shapes: dict, layers: int, smoke: bool) -> Path:
+    config = {k: v for k, v in shapes.items() if k != "full_layers"}
+    if smoke:
+        config.update({k: v for k, v in SMOKE_SHAPES.items() if k in config})
+    config["num_hidden_layers"] = layers
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def cell_config(out: Path, model: Path, method: str, distributed: str, gpus: int, args, **extra) -> Path:
+    fp32 = extra.pop("fp32", False)
+    cfg = {
+        "paths": {"output_dir": str(out), "train_file": str(REPO / "data" / "tiny_corpus.jsonl")},
+        "model": {
+            "name_or_path": str(model),
+            "random_init": True,
+            "tokenizer": str(REPO / "configs" / "tiny-llama"),  # ids < 1024 fit every vocabulary here
+            "dtype": "fp32" if fp32 or args.smoke else "bf16",
+        },
+        "training": {
+            "method": method,
+            "distributed": distributed,
+            "max_steps": args.steps,
+            "micro_batch_size": 1,
+            "gradient_accumulation_steps": ROWS_PER_STEP // gpus,
+            "mixed_precision": "no" if fp32 or args.smoke else "bf16",
+            "save_steps": extra.pop("save_steps", 1000),
+        },
+        "lora": {"dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+        "quantization": {"compute_dtype": "fp32" if fp32 or args.smoke else "bf16"},
+        "data": {"max_length": args.length, "val_fraction": 0.01},
+        "eval": {"interval": 10_000, "at_end": False},
+        "memory": {"gradient_checkpointing": not args.smoke},
+        "logging": {"progress_bar": False, "telemetry_interval": 2},
+        "performance": {"tf32": not fp32},
+    }
+    path = out.parent / f"{out.name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def command(config: Path, gpus: int, port: int) -> list[str]:
+    if gpus == 1:
+        return [sys.executable, "-m", "trainer", "train", "--config", str(config)]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(gpus),
+            "--num_machines", "1", "--main_process_port", str(port), "-m", "trainer", "train",
+            "--config", str(config)]  # fmt: skip
+
+
+def environment(args) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    if args.smoke:
+        env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    return env
+
+
+def train(config: Path, gpus: int, args) -> subprocess.CompletedProcess:
+    args.port += 1
+    return subprocess.run(
+        command(config, gpus, args.port), cwd=REPO, env=environment(args), capture_output=True, text=True
+    )
+
+
+def records(run: Path) -> list[dict]:
+    return last_per_step(list(iter_records(run / "logs" / "training_log.jsonl")))
+
+
+def figures(run: Path, gpus: int) -> dict:
+    recs = records(run)
+    later = recs[1:] or recs  # the first step compiles, allocates and warms up
+    peak = max((r.get("peak_mem_mb") or 0) for r in later) if later else None
+    total = statistics.median(r["tokens_per_sec"] for r in later) if later else None
+    return {
+        "peak_gib": round(peak / 1024, 2) if peak else None,
+        "tokens_per_s_per_gpu": round(total / gpus) if total else None,
+        "losses": [r["loss"] for r in recs],
+    }
+
+
+BYTES_PER_PARAM = {"qlora": 0.53, "lora": 2.0, "full": 2.0}  # NF4 + double-quant constants; bf16
+
+
+def layer_params(folder: Path) -> int:
+    """Parameters of one repeated (last) decoder layer, counted on the meta device from the config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    counts = []
+    for layers in (1, 2):
+        config.num_hidden_layers = layers
+        with torch.device("meta"):
+            counts.append(sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters()))
+    return counts[1] - counts[0]
+
+
+def full_model_gib(row: dict, per_layer: int, full_layers: int) -> float | None:
+    """The measured peak plus the weights of the layers left out, divided among the GPUs under FSDP."""
+    if not row.get("peak_gib"):
+        return None
+    missing = (full_layers - row["layers"]) * per_layer * BYTES_PER_PARAM[row["method"]] / 2**30
+    return round(row["peak_gib"] + missing / (row["gpus"] if row["mode"] == "fsdp" else 1), 1)
+
+
+def oom(result: subprocess.CompletedProcess) -> bool:
+    text = result.stdout[-5000:] + result.stderr[-5000:]
+    return "out of memory" in text.lower()
+
+
+# ---------------------------------------------------------------- sections
+
+
+def memory(args, models: dict, out: Path) -> list[dict]:
+    rows = []
+    for name, (folder, layers, full_layers) in models.items():
+        per_layer = layer_params(folder)
+        for method in args.methods:
+            for gpus in args.gpus:
+                for distributed in ("ddp", "fsdp"):
+                    if gpus == 1 and distributed == "fsdp":
+                        continue  # one process has nothing to shard
+                    run = out / "memory" / f"{name}-{method}-{distributed}-{gpus}"
+                    result = train(cell_config(run, folder, method, distributed, gpus, args), gpus, args)
+                    row = {
+                        "model": name,
+                        "layers": layers,
+                        "method": method,
+                        "mode": distributed,
+                        "gpus": gpus,
+                    }
+                    if result.returncode != 0:
+                        row["status"] = "oom" if oom(result) else f"failed ({result.returncode})"
+                        (run.parent / f"{run.name}.log").write_text(result.stdout + result.stderr)
+                    else:
+                        row.update(figures(run, gpus), status="ok")
+                        row.pop("losses")
+                        row[f"full_{full_layers}_layers_gib"] = full_model_gib(row, per_layer, full_layers)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    return rows
+
+
+def equality(args, models: dict, out: Path) -> list[dict]:
+    """fp32 LoRA on the dense shape: FSDP on N GPUs against one GPU over the same rows."""
+    folder = models["dense"][0]
+    reference = out / "equality" / "dense-1"
+    result = train(cell_config(reference, folder, "lora", "ddp", 1, args, fp32=True), 1, args)
+    if result.returncode != 0:
+        return [{"status": f"1-GPU reference failed: {result.stderr[-300:]}"}]
+    one = figures(reference, 1)["losses"]
+    rows = []
+    for gpus in [g for g in args.gpus if g > 1]:
+        run = out / "equality" / f"dense-fsdp-{gpus}"
+        result = train(cell_config(run, folder, "lora", "fsdp", gpus, args, fp32=True), gpus, args)
+        if result.returncode != 0:
+            rows.append({"gpus": gpus, "status": f"failed: {result.stderr[-300:]}"})
+            continue
+        losses = figures(run, gpus)["losses"]
+        diff = max(abs(a - b) for a, b in zip(losses, one)) if len(losses) == len(one) else None
+        rows.append({"gpus": gpus, "steps": len(losses), "max_abs_loss_diff": diff, "status": "ok"})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def kill_tree(pid: int) -> None:
+    import psutil
+
+    launcher = psutil.Process(pid)
+    for process in [*launcher.children(recursive=True), launcher]:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def resume(args, models: dict, out: Path) -> list[dict]:
+    """FSDP on 2 GPUs: SIGKILL once checkpoint-2 exists, restart, compare with an uninterrupted run."""
+    folder = models["dense"][0]
+    plain = out / "resume" / "plain"
+    result = train(cell_config(plain, folder, "lora", "fsdp", 2, args, fp32=True, save_steps=2), 2, args)
+    if result.returncode != 0:
+        return [{"status": f"uninterrupted run failed: {result.stderr[-300:]}"}]
+    killed = out / "resume" / "killed"
+    config = cell_config(killed, folder, "lora", "fsdp", 2, args, fp32=True, save_steps=2)
+    args.port += 1
+    proc = subprocess.Popen(command(config, 2, args.port), cwd=REPO, env=environment(args),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    while not (killed / "checkpoint-2" / "trainer_state.json").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    kill_tree(proc.pid)
+    proc.wait()
+    finished_before_kill = (killed / f"final-checkpoint-{args.steps}").exists()
+    result = train(config, 2, args)
+    a, b = figures(plain, 2)["losses"], figures(killed, 2)["losses"]
+    row = {
+        "gpus": 2,
+        "killed_after": "checkpoint-2",
+        "finished_before_kill": finished_before_kill,
+        "resumed": "resuming from" in result.stdout,
+        "steps": len(b),
+        "max_abs_loss_diff": max(abs(x - y) for x, y in zip(a, b)) if len(a) == len(b) else None,
+        "status": "ok" if result.returncode == 0 else f"failed ({result.returncode})",
+    }
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="/tmp/fsdp-bench")
+    parser.add_argument(
+        "--gpus", default=None, help="GPU counts, comma-separated (default: 1,2,4 up to those here)"
+    )
+    parser.add_argument("--only", default="memory,equality,resume")
+    parser.add_argument("--methods", default="qlora,lora", help="for the memory section")
+    parser.add_argument("--dense-layers", type=int, default=8)
+    parser.add_argument("--moe-layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument(
+        "--smoke", action="store_true", help="CPU processes (gloo), tiny shapes: the script runs"
+    )
+    parser.add_argument("--port", type=int, default=29700)
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.length, args.methods = min(args.steps, 4), 64, "lora"
+        args.dense_layers, args.moe_layers = 2, 2
+    if args.gpus:
+        args.gpus = [int(g) for g in args.gpus.split(",")]
+    else:
+        import torch
+
+        here = 2 if args.smoke else torch.cuda.device_count()
+        args.gpus = [g for g in (1, 2, 4) if g <= here]
+    args.methods = args.methods.split(",")
+    out = Path(args.out)
+    models_dir = out / "models"
+    models = {
+        "dense": (write_model(models_dir / "dense8b", DENSE_8B, args.dense_layers, args.smoke),
+                  args.dense_layers, DENSE_8B["full_layers"]),
+        "glm_air": (write_model(models_dir / "glm_air", GLM_AIR, args.moe_layers, args.smoke),
+                    args.moe_layers, GLM_AIR["full_layers"]),
+    }  # fmt: skip
+    report = {"args": {k: v for k, v in vars(args).items()}}
+    sections = args.only.split(",")
+    if "memory" in sections:
+        report["memory"] = memory(args, models, out)
+        print("\nper-GPU peak memory and throughput (rank 0's peak allocated; tokens/s per GPU):")
+        cols = ["model", "layers", "method", "mode", "gpus", "peak_gib", "tokens_per_s_per_gpu"]
+        cols += sorted({k for r in report["memory"] for k in r if k.startswith("full_")}) + ["status"]
+        print(table(report["memory"], cols))
+        print(
+            "full_*: the measured peak plus the left-out layers' weights (divided among the GPUs under FSDP)"
+        )
+    if "equality" in sections:
+        report["equality"] = equality(args, models, out)
+        print("\nloss equality, fp32 LoRA (dense shape), FSDP on N GPUs vs one GPU over the same rows:")
+        print(table(report["equality"], ["gpus", "steps", "max_abs_loss_diff", "status"]))
+    if "resume" in sections and 2 in args.gpus:
+        report["resume"] = resume(args, models, out)
+        print("\nSIGKILL after checkpoint-2 on 2 GPUs (FSDP), restart, against the uninterrupted run:")
+        cols = [
+            "gpus",
+            "killed_after",
+            "finished_before_kill",
+            "resumed",
+            "steps",
+            "max_abs_loss_diff",
+            "status",
+        ]
+        print(table(report["resume"], cols))
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"\nreport: {out / 'report.json'}")
+    failed = [
+        r
+        for s in ("memory", "equality", "resume")
+        for r in report.get(s, [])
+        if r.get("status") not in ("ok", "oom")
+    ]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,359 @@
+"""FSDP2 (training.distributed: fsdp): config rules, the wrapping policy, 4-bit storage, the planner's per-GPU
+figure, and real runs of two CPU processes (gloo) against one process over the same rows."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import REPO, TINY, deep_merge, run_trainer, trainer_env, wait_for
+from trainer import runfolder
+from trainer.config import ConfigError, load_config
+from trainer.runfolder import iter_records, last_per_step
+from trainer.training import fsdp
+
+# ---------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["model.family=gla"], "model.family: the gla family runs its own kernels"),
+        (["performance.fast_path=off", "performance.fast_path='on'"], "performance.fast_path: the CUDA fast"),
+        (
+            ["lora.target_parameters=null", "lora.init=lora_ga"],
+            "lora.init: lora_ga prepares the adapters from whole base weights",
+        ),
+        (["training.mixed_precision=fp16"], "training.mixed_precision: fp16's loss scaling"),
+        (
+            ["fsdp.activation_checkpointing=true", "memory.gradient_checkpointing=true"],
+            "fsdp.activation_checkpointing: recomputes every decoder layer",
+        ),
+        (
+            ["training.method=qlora", "fsdp.cpu_ram_efficient_loading=true"],
+            "fsdp.cpu_ram_efficient_loading: 4-bit weights",
+        ),
+        (["fsdp.wrap_classes=LlamaDecoderLayer"], "fsdp.wrap_classes: expected a list of strings or null"),
+        (["fsdp.cpu_offlaod=true"], "unknown key 'fsdp.cpu_offlaod' (did you mean 'cpu_offload'?)"),
+    ],
+)
+def test_fsdp_combinations_that_cannot_work_are_one_line(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "training_config.yaml", ["training.distributed=fsdp", *overrides])
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_ddp_is_the_default_and_the_fsdp_section_is_ignored_there():
+    cfg = load_config(REPO / "training_config.yaml", ["fsdp.activation_checkpointing=true"])
+    assert cfg.training.distributed == "ddp"
+    with pytest.raises(ConfigError, match="training.distributed: expected one of 'ddp', 'fsdp'"):
+        load_config(REPO / "training_config.yaml", ["training.distributed=zero3"])
+
+
+def test_plugin_carries_the_fsdp_section():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
+
+    cfg = load_config(
+        REPO / "training_config.yaml",
+        [
+            "training.distributed=fsdp",
+            "fsdp.reshard_after_forward=false",
+            "fsdp.cpu_offload=true",
+        ],
+    )
+    plugin = fsdp.make_plugin(cfg)
+    assert plugin.fsdp_version == 2
+    assert plugin.reshard_after_forward is False
+    assert isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
+    assert plugin.activation_checkpointing is False
+
+
+# ---------------------------------------------------------------- wrapping
+
+
+def tiny_causal_lm(model_type: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=128,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(
+    "model_type, layer", [("llama", "LlamaDecoderLayer"), ("qwen3", "Qwen3DecoderLayer")]
+)
+def test_wrapping_takes_the_decoder_layer_class_also_through_peft(model_type, layer):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_causal_lm(model_type)
+    assert fsdp.wrap_classes(model) == [layer]
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    assert fsdp.wrap_classes(peft_model) == [layer]
+
+
+def test_wrap_classes_named_in_the_config_must_exist():
+    model = tiny_causal_lm("llama")
+    assert fsdp.wrap_classes(model, ["LlamaMLP"]) == ["LlamaMLP"]
+    with pytest.raises(
+        fsdp.FsdpError, match="fsdp.wrap_classes: no module of class LlamaLayer .*LlamaDecoderLayer"
+    ):
+        fsdp.wrap_classes(model, ["LlamaLayer"])
+    with pytest.raises(fsdp.FsdpError, match="names no decoder-layer class"):
+        fsdp.wrap_classes(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+# ---------------------------------------------------------------- 4-bit storage
+
+
+def test_qlora_storage_is_the_compute_dtype_under_fsdp_only():
+    from trainer.model.loading import quant_storage
+
+    ddp = load_config(REPO / "training_config.yaml", ["quantization.compute_dtype=fp16"])
+    sharded = load_config(
+        REPO / "training_config.yaml", ["quantization.compute_dtype=fp16", "training.distributed=fsdp"]
+    )
+    assert quant_storage(ddp) == torch.uint8
+    assert quant_storage(sharded) == torch.float16
+
+
+def test_packed_experts_become_frozen_parameters_that_dequantize_alike():
+    """FSDP shards parameters, not buffers: under FSDP the experts' packed bytes are floating parameters."""
+    from trainer.model.moe_quant import QuantizedExpertWeights
+
+    weight = torch.randn(3, 16, 32)
+    as_bytes = QuantizedExpertWeights(weight, "nf4", True)
+    as_floats = QuantizedExpertWeights(weight, "nf4", True, torch.float32)
+    assert list(as_bytes.parameters()) == []
+    params = list(as_floats.parameters())
+    assert len(params) == 3 and all(p.dtype == torch.float32 and not p.requires_grad for p in params)
+    assert as_floats.stored_bytes() == as_bytes.stored_bytes()
+    for i in range(3):
+        assert torch.equal(as_floats[i], as_bytes[i])
+        assert (as_floats[i] - weight[i]).abs().mean() < 0.35 * weight[i].abs().mean()  # NF4 error, not noise
+
+
+# ---------------------------------------------------------------- planner and info
+
+
+def test_planner_divides_the_sharded_state_not_the_activations():
+    from trainer.tools.planner import fsdp_per_gpu_mb, sharded_state_mb
+
+    model = tiny_causal_lm("llama")
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    sharded, layer = sharded_state_mb(model, optimizer)
+    params_mb = sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    # weights, gradients, Adam's two moments (fp32) and its step counters
+    assert sharded == pytest.approx(4 * params_mb, rel=1e-3)
+    assert 0 < layer < params_mb
+    activations = 100.0
+    peak = activations + sharded
+    assert fsdp_per_gpu_mb(peak, sharded, layer, 1) == peak
+    assert fsdp_per_gpu_mb(peak, sharded, layer, 4) == pytest.approx(activations + sharded / 4 + 1.5 * layer)
+
+
+def test_info_names_how_many_gpus_fsdp_needs():
+    from trainer.tools.hardware import fsdp_gpus_needed, recommend
+
+    assert fsdp_gpus_needed("70B", 45, 24) == 2  # Answer.AI's 70B on two 24 GB cards
+    assert fsdp_gpus_needed("70B", 45, 16) == 4
+    advice = next(r for r in recommend(24) if r["model"] == "70B")
+    assert not advice["fits"] and "training.distributed: fsdp across 2" in advice["advice"]
+
+
+# ---------------------------------------------------------------- two CPU processes (gloo)
+
+
+def llama_config(tmp_path, name: str, extra: dict) -> tuple:
+    base = deep_merge(
+        TINY,
+        {
+            "paths": {"output_dir": str(tmp_path / name)},
+            "model": {"name_or_path": str(REPO / "configs" / "tiny-llama"), "random_init": True},
+            "training": {
+                "max_steps": 6,
+                "save_steps": 2,
+                "micro_batch_size": 2,
+                "gradient_accumulation_steps": 4,
+            },
+            "lora": {"dropout": 0.0, "target_modules": ["q_proj", "v_proj"]},
+            "eval": {"interval": 3, "max_batches": 3, "at_end": False},
+        },
+    )
+    cfg = deep_merge(base, extra)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, tmp_path / name
+
+
+def two_process_command(config) -> list[str]:
+    """accelerate launch of two CPU processes; accumulation halves so the rows per step stay those of one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no",
+            "-m", "trainer", "train", "--config", str(config),
+            "--set", "training.gradient_accumulation_steps=2"]  # fmt: skip
+
+
+def two_process_env() -> dict:
+    return {**trainer_env(), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+
+
+def launch_two(config) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        two_process_command(config),
+        cwd=REPO,
+        env=two_process_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it (torch's elastic agent starts the ranks in new sessions)."""
+    import psutil
+
+    launcher = psutil.Process(proc.pid)
+    for process in [*launcher.children(recursive=True), launcher]:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
+def losses(run) -> dict:
+    return {
+        r["step"]: r["loss"] for r in last_per_step(list(iter_records(run / "logs" / runfolder.TRAINING_LOG)))
+    }
+
+
+def assert_same_losses(a: dict, b: dict, tol: float = 1e-5) -> None:
+    assert sorted(a) == sorted(b), (a, b)
+    for step in a:
+        assert a[step] == pytest.approx(b[step], abs=tol), (step, a[step], b[step])
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_equals_one_process_resumes_exactly_and_its_adapter_loads(tmp_path):
+    """Two ranks sharding a LoRA run give the one-process losses; SIGKILL after checkpoint-2, a restart,
+    and the replayed steps are the same again; the consolidated adapter loads on one process."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    one_cfg, one = llama_config(tmp_path, "one", {})
+    result = run_trainer("train", "--config", str(one_cfg))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    two_cfg, two = llama_config(tmp_path, "two", {"training": {"distributed": "fsdp"}})
+    proc = subprocess.Popen(
+        two_process_command(two_cfg), cwd=REPO, env=two_process_env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert wait_for(lambda: (two / "checkpoint-2" / "trainer_state.json").exists() or proc.poll() is not None)
+    kill_tree(proc)  # the launcher and both ranks, as a lost node would
+
+    assert (two / "checkpoint-2").is_dir() and not (two / "final-checkpoint-6").exists()
+    resumed = launch_two(two_cfg)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    assert_same_losses(losses(two), losses(one))
+    assert json.loads((two / "run.json").read_text())["world_size"] == 2
+
+    # The training state is sharded: one optimizer file per rank, no copy of the frozen base model.
+    state = two / "final-checkpoint-6" / "training_state"
+    assert sorted(p.name for p in (state / "optimizer_0").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert not (state / "pytorch_model_fsdp_0").exists()
+    assert {p.name for p in state.glob("random_states_*.pkl")} == {
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    }
+
+    # The consolidated adapter: the one-process run's, loadable by PEFT on one process.
+    final_two = load_file(str(two / "final-checkpoint-6" / "adapter_model.safetensors"))
+    final_one = load_file(str(one / "final-checkpoint-6" / "adapter_model.safetensors"))
+    assert sorted(final_two) == sorted(final_one)
+    for key, tensor in final_one.items():
+        assert torch.allclose(final_two[key], tensor, atol=1e-5), key
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "configs" / "tiny-llama"))
+    loaded = PeftModel.from_pretrained(base, two / "final-checkpoint-6")
+    weights = dict(loaded.named_parameters())
+    key = next(k for k in final_two if "lora_B" in k)
+    assert torch.equal(weights[key.replace(".weight", ".default.weight")].detach(), final_two[key])
+    exported = run_trainer("export", str(two / "final-checkpoint-6"), "--out", str(tmp_path / "export"))
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert (tmp_path / "export" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_qlora_moe_under_fsdp_equals_one_process(tmp_path):
+    """QLoRA on the tiny MoE (fused experts quantized, stored as shardable parameters) over two ranks gives the
+    losses of one process over the same rows (fp32 compute, so within 1e-5)."""
+    extra = {
+        "model": {"name_or_path": str(REPO / "configs" / "tiny-moe"), "dtype": "fp32"},
+        "training": {"method": "qlora", "distributed": "fsdp", "max_steps": 3, "save_steps": 3},
+        "quantization": {"compute_dtype": "fp32"},
+        "eval": {"interval": 100},
+        "logging": {"expert_interval": 1},
+    }
+    one_cfg, one = llama_config(tmp_path, "one", extra)
+    result = run_trainer("train", "--config", str(one_cfg))  # fsdp with one process: trains as one process
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fsdp with one process shards nothing" in result.stdout
+    two_cfg, two = llama_config(tmp_path, "two", extra)
+    sharded = launch_two(two_cfg)
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert_same_losses(losses(two), losses(one))
+    assert (two / "final-checkpoint-3" / "adapter_model.safetensors").is_file()
+    # Expert routing is still counted (hooks on the sharded routers) and logged by rank 0.
+    routed = list(iter_records(two / "logs" / runfolder.EXPERT_LOG))
+    assert [r["step"] for r in routed] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_full_fine_tune_under_fsdp_saves_sharded_state_and_a_consolidated_model(tmp_path):
+    """Also with the other FSDP options: layers kept gathered after forward (an evaluation right before the
+    save must free them, or the optimizer no longer knows the parameters) and FSDP's activation checkpointing."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    extra = {"training": {"method": "full", "max_steps": 2, "save_steps": 2}, "eval": {"interval": 1}}
+    one_cfg, one = llama_config(tmp_path, "one", extra)
+    assert run_trainer("train", "--config", str(one_cfg)).returncode == 0
+    options = {"reshard_after_forward": False, "activation_checkpointing": True}
+    two_cfg, two = llama_config(
+        tmp_path, "two", deep_merge(extra, {"training": {"distributed": "fsdp"}, "fsdp": options})
+    )
+    sharded = launch_two(two_cfg)
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert_same_losses(losses(two), losses(one))
+    evals = [r["eval_loss"] for r in iter_records(two / "logs" / runfolder.EVAL_LOG)]
+    assert evals == pytest.approx([r["eval_loss"] for r in iter_records(one / "logs" / runfolder.EVAL_LOG)])
+    final = two / "final-checkpoint-2"
+    assert len(list((final / "training_state" / "pytorch_model_fsdp_0").glob("*.distcp"))) == 2
+    model = AutoModelForCausalLM.from_pretrained(final)  # the consolidated model, on one process
+    reference = load_file(str(one / "final-checkpoint-2" / "model.safetensors"))
+    for name, param in model.state_dict().items():
+        if name in reference:
+            assert torch.allclose(param, reference[name], atol=1e-5), name

@@ -1,0 +1,223 @@
+"""FSDP2 through accelerate: the plugin from the config, the wrapping classes, and the checkpoint's state.
+
+Every rank holds 1/N of the parameters, gradients and optimizer state; a decoder layer's weights are gathered
+just before it runs and freed after (``fsdp.reshard_after_forward``). accelerate's ``fsdp2_prepare_model``
+does the wrapping (``fully_shard`` per decoder layer, then the embeddings, the head and the root); this module
+builds its plugin and the few things the kit needs around it:
+
+- the classes that become one FSDP unit each, checked against the model so a typo is one line;
+- a checkpoint's sharded training state (optimizer, and for full fine-tuning the model, through
+  torch.distributed.checkpoint as accelerate writes it) next to the weights consolidated on rank 0, which
+  ``from_pretrained`` loads on one process. LoRA's frozen base is never written: its adapter, consolidated,
+  is all a resume needs (it holds the exact fp32 values).
+
+accelerate turns FSDP on only for accelerator processes (MULTI_GPU and kin); on CPU processes (gloo) torch's
+``fully_shard`` works all the same, so ``enable_on_cpu`` switches the state's type itself: that is how the
+CPU tests run this very code.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from trainer.config import Config
+
+CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."  # what fsdp.activation_checkpointing adds to names
+
+
+class FsdpError(ValueError):
+    """A model or setting FSDP cannot run with, in one line naming the key."""
+
+
+def wanted(cfg: Config) -> bool:
+    return cfg.training.distributed == "fsdp"
+
+
+def make_plugin(cfg: Config):
+    """accelerate's FSDP2 plugin from the fsdp section: per-layer wrapping, the options, the checkpoint format."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    f = cfg.fsdp
+    with warnings.catch_warnings():  # accelerate warns that FSDP2 is new; the docs say what it does here
+        warnings.simplefilter("ignore")
+        return FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            reshard_after_forward=f.reshard_after_forward,
+            cpu_offload=f.cpu_offload,
+            activation_checkpointing=f.activation_checkpointing,
+            cpu_ram_efficient_loading=f.cpu_ram_efficient_loading,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=list(f.wrap_classes) if f.wrap_classes else None,
+            # Each rank writes its shard of the training state (torch.distributed.checkpoint); the weights are
+            # also gathered whole by the checkpoint code. (FULL_STATE_DICT fails on the optimizer in torch 2.13.)
+            state_dict_type="SHARDED_STATE_DICT",
+        )
+
+
+def enable_on_cpu(accelerator, plugin) -> None:
+    """Several CPU processes: accelerate leaves them MULTI_CPU (DDP); FSDP2 runs on gloo too, so say FSDP.
+
+    Both shared states carry the type: AcceleratorState copies PartialState's whenever it is built again."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
+def active(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+# ---------------------------------------------------------------- wrapping
+
+
+def wrap_classes(model: torch.nn.Module, configured: list[str] | None = None) -> list[str]:
+    """The class names that become one FSDP unit each: the configured ones, else the model's decoder layer.
+
+    transformers names it in ``_no_split_modules`` (a PEFT model forwards the attribute to its base); names
+    there that this model does not contain (a vision tower's block) are left out."""
+    present = {type(module).__name__ for module in model.modules()}
+    if configured:
+        missing = [name for name in configured if name not in present]
+        if missing:
+            layers = sorted(n for n in present if n.endswith(("Layer", "Block")))
+            raise FsdpError(
+                f"fsdp.wrap_classes: no module of class {missing[0]} in this model "
+                f"(its layer classes: {', '.join(layers) or 'none'})"
+            )
+        return list(configured)
+    names = [name for name in (getattr(model, "_no_split_modules", None) or []) if name in present]
+    if not names:
+        raise FsdpError(
+            f"fsdp.wrap_classes: {type(model).__name__} names no decoder-layer class (_no_split_modules); "
+            "set fsdp.wrap_classes to the class of its repeated layer"
+        )
+    return names
+
+
+def prepare_wrapping(accelerator, model: torch.nn.Module, cfg: Config) -> list[str]:
+    """Give accelerate the checked class names before ``prepare`` wraps the model; returns them."""
+    names = wrap_classes(model, cfg.fsdp.wrap_classes)
+    accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = names
+    return names
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every gathered layer. A forward without backward (evaluation, generation) leaves the layers
+    that keep their weights after forward (fsdp.reshard_after_forward: false, and always the root) gathered:
+    whole weights in memory, and parameters the optimizer does not know."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+# ---------------------------------------------------------------- consolidated weights (rank 0)
+
+
+def clean_name(name: str) -> str:
+    return name.replace(CHECKPOINT_WRAPPER_PREFIX, "")
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a collective for a sharded DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def gather_trainable(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
+    """The trainable parameters (LoRA's adapter), whole, on rank 0's CPU; {} elsewhere.
+
+    One all-gather per parameter, in the same order on every rank; only the adapter's bytes move."""
+    gathered = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        full = _full(param.detach())
+        if is_main:
+            gathered[clean_name(name)] = full.cpu().clone()
+    return gathered
+
+
+def gather_full_model(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight, whole, on rank 0's CPU (others get {}): the full fine-tune's consolidated model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_adapter(
+    model: torch.nn.Module, saved: dict[str, torch.Tensor], adapter_name: str = "default"
+) -> int:
+    """Copy a consolidated adapter (PEFT's file keys, without the adapter name) into the sharded model.
+
+    Every rank holds the small file whole and keeps its own shard of each tensor; returns how many were set."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    count = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            key = clean_name(name).replace(f".{adapter_name}", "")
+            if key not in saved:
+                raise FsdpError(f"checkpoint: the adapter file has no tensor for {key}")
+            full = saved[key].to(device=param.device, dtype=param.dtype)
+            if isinstance(param, DTensor):
+                shard = distribute_tensor(full, param.device_mesh, param.placements).to_local()
+                param.to_local().copy_(shard)
+            else:
+                param.copy_(full)
+            count += 1
+    return count
+
+
+# ---------------------------------------------------------------- the checkpoint's training state
+
+
+def save_training_state(accelerator, model, optimizer, scheduler, directory: Path, with_model: bool) -> None:
+    """Optimizer (and, for full fine-tuning, model) state as accelerate writes it for FSDP2: each rank its
+    shard (torch.distributed.checkpoint); scheduler and every rank's RNG state beside them. Every rank
+    calls it."""
+    from accelerate.checkpointing import save_accelerator_state
+    from accelerate.utils import save_fsdp_model, save_fsdp_optimizer
+
+    plugin = accelerator.state.fsdp_plugin
+    reshard(model)
+    directory.mkdir(parents=True, exist_ok=True)
+    if with_model:
+        save_fsdp_model(plugin, accelerator, model, str(directory))
+    save_fsdp_optimizer(plugin, accelerator, optimizer, model, str(directory))
+    save_accelerator_state(
+        str(directory),
+        [],
+        [],
+        [scheduler],
+        [],
+        accelerator.process_index,
+        accelerator.step,
+        accelerator.scaler,
+    )
+
+
+def load_training_state(accelerator, model, optimizer, scheduler, directory: Path, with_model: bool) -> None:
+    """The counterpart of ``save_training_state``; every rank calls it."""
+    from accelerate.checkpointing import load_accelerator_state
+    from accelerate.utils import load_fsdp_model, load_fsdp_optimizer
+
+    plugin = accelerator.state.fsdp_plugin
+    if with_model:
+        load_fsdp_model(plugin, accelerator, model, str(directory))
+    load_fsdp_optimizer(plugin, accelerator, optimizer, model, str(directory))
+    load_accelerator_state(str(directory), [], [], [scheduler], [], accelerator.process_index)
