@@ -4,8 +4,9 @@ builds for that ``optimization.optimizer`` value, and read back for comparison.
 
 bitsandbytes' optimizers nest their state tensors in a sub-dict of ``state_dict()``, and their
 ``load_state_dict`` (0.50) moves them onto the device with a plain ``.to``: read so, a paged optimizer's
-state is no longer paged after a resume. The check counts paged tensors fresh and after loading, so the GPU
-run says whether that is so.
+state is no longer paged after a resume (measured on an H100: 0 paged tensors), which the kit's resume
+repairs (``trainer.training.optim.repage_state``). The check loads as the kit does and counts paged tensors
+after loading; a fresh step on a large tensor says whether this optimizer pages at all.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def optimizer_state_check(state_file: Path, name: str, expected_params: int, dty
     import torch
     from accelerate.utils import load
 
+    from trainer.training.optim import repage_state
+
     saved = load(state_file, map_location="cpu")
     sizes = [len(group["params"]) for group in saved["param_groups"]]
     states = {index: flat_state(state) for index, state in saved["state"].items()}
@@ -85,6 +88,7 @@ def optimizer_state_check(state_file: Path, name: str, expected_params: int, dty
         return {**result, "error": "the saved optimizer has no parameters"}
     fresh = optimizer_class(name)(groups, lr=1e-4)
     fresh.load_state_dict(saved)
+    repage_state(fresh)  # what the kit's resume does after loading (trainer.training.checkpointing.restore)
     back = {index: flat_state(state) for index, state in fresh.state_dict()["state"].items()}
     differing = sorted(
         f"{index}:{key}"
@@ -96,7 +100,8 @@ def optimizer_state_check(state_file: Path, name: str, expected_params: int, dty
         s for s in states.values() if getattr(s.get(f"{BNB_WRAPPED}.state1"), "dtype", None) == torch.uint8
     ]
     loaded = [value for state in fresh.state.values() for value in state.values() if torch.is_tensor(value)]
-    probe_param = torch.nn.Parameter(torch.zeros_like(every[0]))  # one step from scratch
+    # one step from scratch, on a tensor large enough that bitsandbytes pages its state (>= 1e5 elements)
+    probe_param = torch.nn.Parameter(torch.zeros(512, 256, device=device))
     probe = optimizer_class(name)([probe_param], lr=1e-4)
     probe_param.grad = torch.zeros_like(probe_param)
     probe.step()
@@ -108,8 +113,8 @@ def optimizer_state_check(state_file: Path, name: str, expected_params: int, dty
         "identical_after_load": not differing,
         "differing": differing[:10],
         "params_with_8bit_state": len(eight_bit),
-        # bitsandbytes' load_state_dict moves the state onto the device as ordinary tensors: a paged
-        # optimizer (paged state when fresh) with 0 here holds its state unpaged after a resume
+        # bitsandbytes' load_state_dict moves the state onto the device as ordinary tensors; the kit's
+        # repage_state puts the large ones back into paged memory: after a resume, as many as when fresh
         "fresh_state_paged": fresh_paged,
         "paged_tensors_after_load": sum(1 for t in loaded if getattr(t, "is_paged", False)),
     }

@@ -132,7 +132,7 @@ def test_packed_experts_become_frozen_parameters_that_dequantize_alike():
     """FSDP shards parameters, not buffers: under FSDP the experts' packed bytes are floating parameters."""
     from trainer.model.moe_quant import QuantizedExpertWeights
 
-    weight = torch.randn(3, 16, 32)
+    weight = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(0))
     as_bytes = QuantizedExpertWeights(weight, "nf4", True)
     as_floats = QuantizedExpertWeights(weight, "nf4", True, torch.float32)
     assert list(as_bytes.parameters()) == []
@@ -141,7 +141,8 @@ def test_packed_experts_become_frozen_parameters_that_dequantize_alike():
     assert as_floats.stored_bytes() == as_bytes.stored_bytes()
     for i in range(3):
         assert torch.equal(as_floats[i], as_bytes[i])
-        assert (as_floats[i] - weight[i]).abs().mean() < 0.35 * weight[i].abs().mean()  # NF4 error, not noise
+        # NF4 on Gaussian weights: ~0.36 of the mean |w| (bitsandbytes, CPU); unrelated values would give ~1.4
+        assert (as_floats[i] - weight[i]).abs().mean() < 0.5 * weight[i].abs().mean()
 
 
 # ---------------------------------------------------------------- planner and info

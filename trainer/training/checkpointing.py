@@ -16,6 +16,7 @@ from trainer.training import checkpoint_files as ckpt
 from trainer.training import fsdp
 from trainer.training.evaluation import best_is, metric_value
 from trainer.training.faults import NO_FAULTS, Faults
+from trainer.training.optim import repage_state
 from trainer.training.step import Position, StepShape
 
 
@@ -102,6 +103,8 @@ def restore(resume_from, accelerator, model, state: LoopState, optimizer=None, s
     else:
         accelerator.load_state(str(resume_from.path / ckpt.STATE_DIR))
         load_checkpoint_weights(model, resume_from.path, accelerator)
+    if optimizer is not None:
+        repage_state(optimizer)
     saved = resume_from.state
     state.step = saved["step"]
     state.pos = Position(saved["epoch_index"], saved["rows_seen"])

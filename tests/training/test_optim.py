@@ -1,0 +1,69 @@
+"""A resumed paged optimizer keeps its state paged (bitsandbytes' load_state_dict brings it back unpaged)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from trainer.training import checkpointing
+from trainer.training.optim import repage_state
+
+
+class FakePagedOptimizer:
+    """bitsandbytes' interface as repage_state uses it; ``get_state_buffer`` marks what it hands out as paged."""
+
+    def __init__(self, is_paged: bool):
+        self.is_paged = is_paged
+        self.state = {}
+        self.handed_out = []
+
+    def get_state_buffer(self, p, dtype=torch.float32):
+        buffer = torch.zeros(p.shape, dtype=dtype)
+        buffer.is_paged = True
+        self.handed_out.append(buffer)
+        return buffer
+
+
+def loaded_state(optimizer):
+    big, small = torch.arange(200_000, dtype=torch.uint8), torch.randn(10)
+    optimizer.state = {
+        "lora_B": {"state1": big.clone(), "state2": big.flip(0), "qmap1": torch.randn(256), "step": 3},
+        "lora_A": {"state1": small.clone()},
+    }
+    return big, small
+
+
+def test_large_state_goes_back_to_paged_buffers_with_its_values():
+    optimizer = FakePagedOptimizer(is_paged=True)
+    big, small = loaded_state(optimizer)
+    wrapped = types.SimpleNamespace(optimizer=optimizer)  # as accelerate hands it to the loop
+    assert repage_state(wrapped) == 2
+    moved = optimizer.state["lora_B"]
+    assert moved["state1"].is_paged and moved["state2"].is_paged and moved["state1"].dtype == torch.uint8
+    assert torch.equal(moved["state1"], big) and torch.equal(moved["state2"], big.flip(0))
+    assert not hasattr(moved["qmap1"], "is_paged") and moved["step"] == 3  # not optimizer state buffers
+    assert torch.equal(optimizer.state["lora_A"]["state1"], small)  # bitsandbytes pages only >= 1e5 elements
+    assert repage_state(wrapped) == 0  # already paged
+
+
+def test_unpaged_optimizers_are_left_alone():
+    optimizer = FakePagedOptimizer(is_paged=False)
+    loaded_state(optimizer)
+    assert repage_state(optimizer) == 0 and optimizer.handed_out == []
+    assert repage_state(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])) == 0
+
+
+def test_restore_repages_the_optimizer_it_loads(monkeypatch):
+    optimizer = FakePagedOptimizer(is_paged=True)
+    loaded_state(optimizer)
+    monkeypatch.setattr(checkpointing, "load_checkpoint_weights", lambda *a: None)
+    accelerator = types.SimpleNamespace(load_state=lambda path: None)
+    monkeypatch.setattr(checkpointing.fsdp, "active", lambda acc: False)
+    resume = types.SimpleNamespace(
+        path=checkpointing.Path("/nonexistent/checkpoint-4"),
+        state={"step": 4, "epoch_index": 0, "rows_seen": 8},
+    )
+    state = checkpointing.LoopState(shape=checkpointing.StepShape(micro=1, accum=1))
+    checkpointing.restore(resume, accelerator, None, state, optimizer)
+    assert state.step == 4 and len(optimizer.handed_out) == 2
