@@ -5,9 +5,11 @@ check; the cause was TF32 inside the kernel (bench/RESULTS.md). An fp32 run now 
 ``fused_recurrent_gla``, bf16 runs keep ``chunk_gla``. This trains the same GLA model (``configs/tiny-gla``
 widened: ``--hidden``, ``--layers``) on the shipped corpus twice through ``python -m trainer train``, once
 on each ``model.kernel_path`` (fla-triton, fla-naive-torch), same data and seed, and prints the per-step
-loss difference. bf16 noise between two correct paths is ~1e-2 on a loss of ~5; a wrong backward drifts.
+loss difference; ``--noise-floor`` adds the reference path in fp32, whose distance from the same path in bf16
+is what bf16 rounding alone does to the curve. Runs go side by side; one still going at ``--timeout`` is
+stopped and the steps both reached are compared.
 
-    python bench/gla_loss_curve.py --steps 300 --out $OUT/gla_curve.json              # GPU
+    python bench/gla_loss_curve.py --steps 300 --noise-floor --timeout 500 --out $OUT/gla_curve.json  # GPU
     python bench/gla_loss_curve.py --steps 3 --hidden 64 --layers 1 --out /tmp/c.json  # CPU: the script
 """
 
@@ -38,18 +40,18 @@ def model_folder(root: Path, hidden: int, layers: int, heads: int) -> Path:
     return folder
 
 
-def train(root: Path, model: Path, path: str, args) -> dict:
-    """One run on ``path``; its per-step losses and median tokens/s."""
-    from trainer.runfolder import iter_records, last_per_step
-
-    out = root / path
+def launch(
+    root: Path, model: Path, name: str, path: str, precision: str, args
+) -> tuple[Path, subprocess.Popen]:
+    """Start one run on ``path`` in ``precision`` (runs go side by side: their speed is not the point)."""
+    out = root / name
     overrides = {
         "paths.output_dir": out,
         "model.name_or_path": model,
         "model.kernel_path": path,
         "training.max_steps": args.steps,
         "training.save_steps": 10 * args.steps,
-        "training.mixed_precision": args.precision,
+        "training.mixed_precision": f"'{precision}'",  # quoted: YAML reads a bare no as false
         "training.micro_batch_size": args.batch,
         "data.max_length": args.seq,
         "eval.interval": 10 * args.steps,
@@ -58,18 +60,32 @@ def train(root: Path, model: Path, path: str, args) -> dict:
     command = [sys.executable, "-m", "trainer", "train", "--config", str(REPO / "configs" / "tiny-gla.yaml")]
     for key, value in overrides.items():
         command += ["--set", f"{key}={value}"]
-    started = time.time()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:
-        return {"path": path, "error": (done.stderr or done.stdout)[-1500:]}
-    records = last_per_step(list(iter_records(out / "logs" / "training_log.jsonl")))
+    log = open(root / f"{name}.log", "w")
+    return out, subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+
+def collect(name: str, out: Path, process: subprocess.Popen, deadline: float) -> dict:
+    """The run's per-step losses and median tokens/s; a run still going at ``deadline`` is stopped and
+    what it logged so far is kept (compared over the steps both runs reached)."""
+    from trainer.runfolder import iter_records, last_per_step
+
+    try:
+        process.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    log_file = out / "logs" / "training_log.jsonl"
+    records = last_per_step(list(iter_records(log_file))) if log_file.is_file() else []
+    if not records:
+        tail = (out.parent / f"{name}.log").read_text()[-1500:]
+        return {"name": name, "error": tail or f"exit {process.returncode}, nothing logged"}
     events = list(iter_records(out / "logs" / "events.jsonl"))
     report = next(e for e in events if e["event"] == "model_report")
     speeds = sorted(r["tokens_per_sec"] for r in records[3:] or records)
     return {
-        "path": path,
+        "name": name,
         "kernel_path": report.get("kernel_path"),
-        "wall_s": round(time.time() - started, 1),
+        "finished": process.returncode == 0,
         "tokens_per_sec": speeds[len(speeds) // 2],
         "losses": {r["step"]: r["loss"] for r in records},
     }
@@ -101,25 +117,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--paths", default=",".join(PATHS), help="kernel paths, the first compared to the last"
     )
+    parser.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help="also train the last path in fp32: its distance from the same path in bf16 is bf16's own",
+    )
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds; then compare what was logged")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
     root = Path(tempfile.mkdtemp(prefix="gla-curve-"))
     model = model_folder(root, args.hidden, args.layers, args.heads)
-    runs = [train(root, model, path, args) for path in args.paths.split(",")]
+    paths = args.paths.split(",")
+    plan = [(f"{i}-{path}-{args.precision}", path, args.precision) for i, path in enumerate(paths)]
+    if args.noise_floor:
+        plan.append((f"{len(plan)}-{paths[-1]}-fp32", paths[-1], "no"))
+    started = [(name, *launch(root, model, name, path, precision, args)) for name, path, precision in plan]
+    deadline = time.time() + args.timeout
+    runs = [collect(name, out, process, deadline) for name, out, process in started]
     result = {"args": {k: str(v) for k, v in vars(args).items()}, "model": str(model), "runs": runs}
     failed = [r for r in runs if "error" in r]
     if not failed:
-        result["comparison"] = compare(runs[0], runs[-1])
+        result["comparison"] = compare(runs[0], runs[len(paths) - 1])
+        if args.noise_floor:
+            result["noise_floor"] = compare(runs[-2], runs[-1])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     for run in runs:
-        print(
-            f"{run['path']}: " + (run.get("error") or f"{run['kernel_path']}, {run['tokens_per_sec']} tok/s")
+        done = (
+            f"{run.get('kernel_path')}, {len(run.get('losses', ()))} steps, {run.get('tokens_per_sec')} tok/s"
         )
+        print(f"{run['name']}: " + (run.get("error") or done))
     if failed:
         return 1
     print("GLA-CURVE " + json.dumps(result["comparison"]))
+    if args.noise_floor:
+        print("NOISE-FLOOR " + json.dumps(result["noise_floor"]))
     return 0
 
 

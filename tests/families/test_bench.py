@@ -115,19 +115,25 @@ def test_gla_sensitivity_measures_nothing_without_an_error_and_something_with_on
 
 def test_gla_loss_curve_trains_each_path_and_compares_step_by_step(tmp_path):
     """bench/gla_loss_curve.py on CPU: the reference path against itself trains the same curve (0 apart),
-    on the widened model the script builds, and a failed path is reported, not compared."""
+    on the widened model the script builds; the noise floor (the same path in fp32) is a real distance; a run
+    stopped before it logged anything is reported, not compared."""
     spec = importlib.util.spec_from_file_location("gla_loss_curve", REPO / "bench" / "gla_loss_curve.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "curve.json"
     common = "--steps 2 --hidden 64 --layers 1 --heads 2 --seq 64 --batch 2".split()
-    assert module.main([*common, "--paths", "fla-naive-torch,fla-naive-torch", "--out", str(out)]) == 0
+    paths = ["--paths", "fla-naive-torch,fla-naive-torch"]
+    assert module.main([*common, *paths, "--noise-floor", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert [r["kernel_path"] for r in result["runs"]] == ["fla-naive-torch"] * 2
+    assert [r["kernel_path"] for r in result["runs"]] == ["fla-naive-torch"] * 3
+    assert all(r["finished"] for r in result["runs"])
     assert result["comparison"]["steps"] == 2 and result["comparison"]["max_abs_diff"] == 0.0
     assert 5 < result["comparison"]["first"][0] < 9  # a random 1024-token model: about ln(1024)
+    assert result["noise_floor"]["steps"] == 2 and 0 < result["noise_floor"]["max_abs_diff"] < 0.5
     built = json.loads((Path(result["model"]) / "config.json").read_text())
     assert (built["hidden_size"], built["num_hidden_layers"], built["num_heads"]) == (64, 1, 2)
+    assert module.main([*common, *paths, "--timeout", "0.5", "--out", str(out)]) == 1
+    assert "comparison" not in json.loads(out.read_text())
 
 
 def test_gla_attention_mode_switches_every_layer_for_the_block_only():
