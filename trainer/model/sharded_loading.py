@@ -119,7 +119,10 @@ class ShardedLoad:
         packed, states = [], []
         for index in range(whole.shape[0]):
             data, state = bnbf.quantize_4bit(
-                whole[index].contiguous(), blocksize=64, compress_statistics=double_quant, quant_type=quant_type
+                whole[index].contiguous(),
+                blocksize=64,
+                compress_statistics=double_quant,
+                quant_type=quant_type,
             )
             if data.numel() % storage.itemsize:
                 raise ValueError(
@@ -186,7 +189,9 @@ class ShardedLoad:
             for module, name, entry in self.slots.values():
                 param = module._parameters[name]
                 if not param.is_meta:
-                    raise RuntimeError(f"sharded loading: {type(module).__name__}.{name} is no longer on meta")
+                    raise RuntimeError(
+                        f"sharded loading: {type(module).__name__}.{name} is no longer on meta"
+                    )
                 real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
                 torch.utils.swap_tensors(param, real)
                 local = param.to_local() if isinstance(param, DTensor) else param
