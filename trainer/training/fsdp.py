@@ -128,6 +128,20 @@ def held_bytes(model: torch.nn.Module, shards=None) -> int:
     return total + (shards.held_bytes if shards is not None else 0)
 
 
+def loading_line(accelerator, model: torch.nn.Module, shards=None) -> str:
+    """What this rank holds right before sharding, and on a GPU the peak allocated so far (the load's)."""
+    held = held_bytes(model, shards)
+    line = (
+        f"fsdp loading: rank {accelerator.process_index} holds {held} bytes ({held / 2**20:.1f} MiB) "
+        "of weights before sharding"
+    )
+    if accelerator.device.type == "cuda":
+        line += (
+            f"; GPU peak while loading {torch.cuda.max_memory_allocated(accelerator.device) / 2**20:.0f} MiB"
+        )
+    return line
+
+
 def fill_loaded_shards(accelerator, model: torch.nn.Module, shards, cpu_offload: bool) -> int:
     """After ``prepare``: each rank's shards of the weights that sharded loading kept aside (on the CPU
     where fsdp.cpu_offload keeps the shards)."""

@@ -148,12 +148,7 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
     # LoRA-GA's init, SDLoRA's stage one and masks: once per run folder, before the optimizer sees the weights.
     peft_methods.prepare(loaded, cfg, data, pad_id, kernels.loss, accelerator, output_dir, log)
     if fsdp.wanted(cfg):
-        held = fsdp.held_bytes(loaded.model, loaded.shards)
-        print(
-            f"fsdp loading: rank {accelerator.process_index} holds {held} bytes ({held / 2**20:.1f} MiB) "
-            "of weights before sharding",
-            flush=True,
-        )
+        print(fsdp.loading_line(accelerator, loaded.model, loaded.shards), flush=True)
     model, optimizer, scheduler = setup_optimizer(
         kernels.prepare(loaded.model), cfg, accelerator, total_steps
     )
