@@ -177,7 +177,7 @@ class ShardedLoad:
             raise RuntimeError("sharded loading: a kept weight is no longer in the model")
         self.kept, self.stand_ins, self.slots = {}, {}, slots
 
-    def materialise(self, model: nn.Module, device: torch.device) -> int:
+    def materialise(self, device: torch.device) -> int:
         """After ``fully_shard``: allocate each meta shard on ``device`` and copy this rank's chunk in.
 
         FSDP2's way to initialise from meta (as ``to_empty`` does: the tensor is swapped in place, so FSDP
@@ -195,6 +195,8 @@ class ShardedLoad:
                 real = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
                 torch.utils.swap_tensors(param, real)
                 local = param.to_local() if isinstance(param, DTensor) else param
+                if local.numel() == 0 == entry.chunk.numel():
+                    continue  # a rank past the end of a short dim 0 (FSDP's empty shard may be 1-D)
                 if local.shape != entry.chunk.shape:
                     raise RuntimeError(
                         f"sharded loading: {type(module).__name__}.{name}: this rank's shard is "

@@ -135,6 +135,10 @@ def loading_line(accelerator, model: torch.nn.Module, shards=None) -> str:
         f"fsdp loading: rank {accelerator.process_index} holds {held} bytes ({held / 2**20:.1f} MiB) "
         "of weights before sharding"
     )
+    if shards is not None:
+        line += (
+            f" (loaded in shards: at most {shards.peak_bytes / 2**20:.1f} MiB kept plus the tensor in hand)"
+        )
     if accelerator.device.type == "cuda":
         line += (
             f"; GPU peak while loading {torch.cuda.max_memory_allocated(accelerator.device) / 2**20:.0f} MiB"
@@ -142,11 +146,11 @@ def loading_line(accelerator, model: torch.nn.Module, shards=None) -> str:
     return line
 
 
-def fill_loaded_shards(accelerator, model: torch.nn.Module, shards, cpu_offload: bool) -> int:
+def fill_loaded_shards(accelerator, shards, cpu_offload: bool) -> int:
     """After ``prepare``: each rank's shards of the weights that sharded loading kept aside (on the CPU
     where fsdp.cpu_offload keeps the shards)."""
     device = torch.device("cpu") if cpu_offload else accelerator.device
-    return shards.materialise(model, device)
+    return shards.materialise(device)
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -153,7 +153,7 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
         kernels.prepare(loaded.model), cfg, accelerator, total_steps
     )
     if loaded.shards is not None:  # QLoRA loaded in shards: each rank fills its own now that FSDP cut them
-        fsdp.fill_loaded_shards(accelerator, model, loaded.shards, cfg.fsdp.cpu_offload)
+        fsdp.fill_loaded_shards(accelerator, loaded.shards, cfg.fsdp.cpu_offload)
     counter = ExpertCounter(accelerator.unwrap_model(model))
     loss = faults.loss(kernels.loss)
     aux_coef = float(getattr(accelerator.unwrap_model(model).config, "router_aux_loss_coef", 0.0) or 0.0)
