@@ -9,10 +9,13 @@ memory (training_log.jsonl `peak_mem_mb`, steps after the first) and the median 
     python bench/bench_fsdp_gpu.py --out /tmp/fsdp-bench                      # everything, on the GPUs here
     python bench/bench_fsdp_gpu.py --out /tmp/fsdp-bench --gpus 1,2 --only memory
     python bench/bench_fsdp_gpu.py --out /tmp/fsdp-smoke --smoke              # CPU, tiny shapes: the script runs
+    python bench/bench_fsdp_gpu.py --out /tmp/fsdp-load --gpus 2,4 --only loading --steps 3
 
 Sections (--only): memory (DDP vs FSDP per model, method and GPU count), equality (fp32 LoRA, FSDP on N GPUs
 against one GPU over the same rows: max |loss difference|), resume (FSDP on 2 GPUs, SIGKILL after
-checkpoint-2, restart: the losses against the uninterrupted run).
+checkpoint-2, restart: the losses against the uninterrupted run), loading (QLoRA under FSDP loaded whole or in
+shards, fsdp.cpu_ram_efficient_loading: each rank's GPU peak while loading and the weights it holds right
+before sharding, from the trainer's "fsdp loading" lines; not in the default set).
 """
 
 from __future__ import annotations
@@ -222,6 +225,52 @@ def equality(args, models: dict, out: Path) -> list[dict]:
     return rows
 
 
+def loading_lines(stdout: str) -> dict[int, tuple[int, float | None]]:
+    """rank -> (bytes held before sharding, GPU peak MiB while loading), from the trainer's lines."""
+    import re
+
+    found = {}
+    pattern = r"fsdp loading: rank (\d+) holds (\d+) bytes[^;\n]*(?:; GPU peak while loading (\d+) MiB)?"
+    for rank, held, peak in re.findall(pattern, stdout):
+        found[int(rank)] = (int(held), float(peak) if peak else None)
+    return found
+
+
+def loading(args, models: dict, out: Path) -> list[dict]:
+    """QLoRA under FSDP on each GPU count > 1, loaded whole and in shards: the load-time figures per rank
+    (the largest over ranks), and the training peak after, for both models."""
+    rows = []
+    for name, (folder, layers, _) in models.items():
+        for gpus in [g for g in args.gpus if g > 1]:
+            for in_shards in (False, True):
+                run = out / "loading" / f"{name}-qlora-{gpus}-{'shards' if in_shards else 'whole'}"
+                config = cell_config(run, folder, "qlora", "fsdp", gpus, args)
+                cfg = yaml.safe_load(config.read_text())
+                cfg["fsdp"] = {"cpu_ram_efficient_loading": in_shards}
+                config.write_text(yaml.safe_dump(cfg))
+                result = train(config, gpus, args)
+                row = {
+                    "model": name,
+                    "layers": layers,
+                    "gpus": gpus,
+                    "loading": "shards" if in_shards else "whole",
+                }
+                lines = loading_lines(result.stdout)
+                if lines:
+                    row["held_mib_max_rank"] = round(max(h for h, _ in lines.values()) / 2**20, 1)
+                    peaks = [p for _, p in lines.values() if p is not None]
+                    row["load_peak_gib_max_rank"] = round(max(peaks) / 1024, 2) if peaks else None
+                if result.returncode != 0:
+                    row["status"] = "oom" if oom(result) else f"failed ({result.returncode})"
+                    (run.parent / f"{run.name}.log").write_text(result.stdout + result.stderr)
+                else:
+                    row["train_peak_gib"] = figures(run, gpus)["peak_gib"]
+                    row["status"] = "ok"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
 def kill_tree(pid: int) -> None:
     import psutil
 
@@ -323,6 +372,13 @@ def main() -> int:
         report["equality"] = equality(args, models, out)
         print("\nloss equality, fp32 LoRA (dense shape), FSDP on N GPUs vs one GPU over the same rows:")
         print(table(report["equality"], ["gpus", "steps", "max_abs_loss_diff", "status"]))
+    if "loading" in sections:
+        report["loading"] = loading(args, models, out)
+        print(
+            "\nQLoRA under FSDP loaded whole or in shards (largest rank; train peak: rank 0, steps after the first):"
+        )
+        cols = ["model", "layers", "gpus", "loading", "held_mib_max_rank", "load_peak_gib_max_rank"]
+        print(table(report["loading"], cols + ["train_peak_gib", "status"]))
     if "resume" in sections and 2 in args.gpus:
         report["resume"] = resume(args, models, out)
         print("\nSIGKILL after checkpoint-2 on 2 GPUs (FSDP), restart, against the uninterrupted run:")
@@ -340,7 +396,7 @@ def main() -> int:
     print(f"\nreport: {out / 'report.json'}")
     failed = [
         r
-        for s in ("memory", "equality", "resume")
+        for s in ("memory", "equality", "resume", "loading")
         for r in report.get(s, [])
         if r.get("status") not in ("ok", "oom")
     ]

@@ -36,10 +36,6 @@ from trainer.training import fsdp
             ["fsdp.activation_checkpointing=true", "memory.gradient_checkpointing=true"],
             "fsdp.activation_checkpointing: recomputes every decoder layer",
         ),
-        (
-            ["training.method=qlora", "fsdp.cpu_ram_efficient_loading=true"],
-            "fsdp.cpu_ram_efficient_loading: 4-bit weights",
-        ),
         (["fsdp.wrap_classes=LlamaDecoderLayer"], "fsdp.wrap_classes: expected a list of strings or null"),
         (["fsdp.cpu_offlaod=true"], "unknown key 'fsdp.cpu_offlaod' (did you mean 'cpu_offload'?)"),
     ],
@@ -143,6 +139,69 @@ def test_packed_experts_become_frozen_parameters_that_dequantize_alike():
         assert torch.equal(as_floats[i], as_bytes[i])
         # NF4 on Gaussian weights: ~0.36 of the mean |w| (bitsandbytes, CPU); unrelated values would give ~1.4
         assert (as_floats[i] - weight[i]).abs().mean() < 0.5 * weight[i].abs().mean()
+
+
+# ---------------------------------------------------------------- sharded loading (QLoRA)
+
+
+def test_sharded_loading_keeps_one_chunk_of_each_weight_and_its_ties(tmp_path):
+    """Rank 1 of 3 loading a 4-bit model with tied embeddings: each weight transformers loads is cut to the
+    chunk fully_shard will give rank 1 (the ordinary load's bytes, bit for bit), an empty stand-in stays in
+    the model, the tie survives, and to_meta restores the true shapes for sharding."""
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+    from trainer.model.sharded_loading import ShardedLoad, local_chunk
+
+    config = AutoConfig.from_pretrained(REPO / "configs" / "tiny-llama", tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_storage=torch.float32, bnb_4bit_compute_dtype=torch.float32
+    )
+    kwargs = {"quantization_config": quant, "device_map": {"": "cpu"}, "dtype": torch.float32}
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs)
+    shards = ShardedLoad(rank=1, world=3)
+    with shards.capture():
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs)
+
+    reference = dict(whole.named_parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(p.numel() == 0 for p in model.parameters())
+    q_proj = model.model.layers[0].self_attn.q_proj
+    kept = shards.kept[id(q_proj.weight)]
+    expected = local_chunk(reference["model.layers.0.self_attn.q_proj.weight"].detach(), 1, 3)
+    assert torch.equal(kept.chunk.view(torch.uint8), expected.view(torch.uint8))  # packed bytes, not floats
+    # the 4-bit state stays whole, as on the ordinary path
+    assert torch.equal(q_proj.quant_state.absmax, whole.model.layers[0].self_attn.q_proj.quant_state.absmax)
+    total = sum(p.numel() * p.element_size() for p in reference.values())
+    assert shards.whole_bytes == total
+    assert total / 3 - 4096 < shards.held_bytes < total / 3 + 4096  # chunks of uneven dims round up
+
+    shards.to_meta(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for name, param in model.named_parameters():
+        assert param.is_meta and param.shape == reference[name].shape, name
+
+
+def test_sharded_loading_refuses_lora_on_fused_experts():
+    from trainer.model.loading import ModelLoadError, load_for_training
+
+    cfg = load_config(
+        REPO / "training_config.yaml",
+        [
+            f"model.name_or_path={REPO / 'configs' / 'tiny-moe'}",
+            "model.random_init=true",
+            "training.method=qlora",
+            "training.distributed=fsdp",
+            "fsdp.cpu_ram_efficient_loading=true",
+            "quantization.quantize_experts=false",
+        ],
+    )
+    from unittest import mock
+
+    with mock.patch("trainer.model.loading.sharded_loading", return_value=object()):
+        with pytest.raises(ModelLoadError, match="lora.target_parameters: LoRA on fused expert weights"):
+            load_for_training(cfg, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- planner and info
@@ -307,10 +366,23 @@ def test_lora_under_fsdp_equals_one_process_resumes_exactly_and_its_adapter_load
     assert (tmp_path / "export" / "adapter_model.safetensors").is_file()
 
 
+def held_bytes(result) -> dict[int, int]:
+    """Each rank's ``fsdp loading`` line: the weights it holds right before sharding."""
+    import re
+
+    return {
+        int(r): int(b) for r, b in re.findall(r"fsdp loading: rank (\d+) holds (\d+) bytes", result.stdout)
+    }
+
+
 @pytest.mark.slow
 def test_qlora_moe_under_fsdp_equals_one_process(tmp_path):
     """QLoRA on the tiny MoE (fused experts quantized, stored as shardable parameters) over two ranks gives the
-    losses of one process over the same rows (fp32 compute, so within 1e-5)."""
+    losses of one process over the same rows (fp32 compute, so within 1e-5). Loaded as usual each rank holds the
+    whole 4-bit model before sharding; loaded in shards (fsdp.cpu_ram_efficient_loading) each holds half, and
+    training and the consolidated adapter are the same."""
+    from safetensors.torch import load_file
+
     extra = {
         "model": {"name_or_path": str(REPO / "configs" / "tiny-moe"), "dtype": "fp32"},
         "training": {"method": "qlora", "distributed": "fsdp", "max_steps": 3, "save_steps": 3},
@@ -322,14 +394,31 @@ def test_qlora_moe_under_fsdp_equals_one_process(tmp_path):
     result = run_trainer("train", "--config", str(one_cfg))  # fsdp with one process: trains as one process
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fsdp with one process shards nothing" in result.stdout
+    whole = held_bytes(result)[0]
     two_cfg, two = llama_config(tmp_path, "two", extra)
     sharded = launch_two(two_cfg)
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     assert_same_losses(losses(two), losses(one))
+    assert held_bytes(sharded) == {0: whole, 1: whole}
     assert (two / "final-checkpoint-3" / "adapter_model.safetensors").is_file()
     # Expert routing is still counted (hooks on the sharded routers) and logged by rank 0.
     routed = list(iter_records(two / "logs" / runfolder.EXPERT_LOG))
     assert [r["step"] for r in routed] == [1, 2, 3]
+
+    loaded_cfg, loaded = llama_config(
+        tmp_path, "loaded", deep_merge(extra, {"fsdp": {"cpu_ram_efficient_loading": True}})
+    )
+    in_shards = launch_two(loaded_cfg)
+    assert in_shards.returncode == 0, in_shards.stderr[-3000:]
+    held = held_bytes(in_shards)
+    # half the weights, plus what is not yet sharded either way (the adapters, a rotary buffer): a few KiB
+    assert sorted(held) == [0, 1] and all(whole / 2 < b < whole / 2 + 32 * 1024 for b in held.values()), held
+    assert_same_losses(losses(loaded), losses(one))
+    adapter = load_file(str(loaded / "final-checkpoint-3" / "adapter_model.safetensors"))
+    reference = load_file(str(one / "final-checkpoint-3" / "adapter_model.safetensors"))
+    assert sorted(adapter) == sorted(reference)
+    for key, tensor in reference.items():
+        assert torch.allclose(adapter[key], tensor, atol=1e-5), key
 
 
 @pytest.mark.slow

@@ -284,8 +284,9 @@ class FsdpConfig:
     # Recompute each decoder layer in backward, applied by FSDP around the wrapped layers (instead of
     # memory.gradient_checkpointing, which the model applies itself).
     activation_checkpointing: Bool = False
-    # Rank 0 alone reads the weights; the others start on the meta device and receive their shards.
-    # Not for 4-bit models (bitsandbytes quantizes on load on every rank).
+    # Load without the whole model on any one rank. 16-bit: rank 0 alone reads the weights, the others start
+    # on the meta device and receive their shards (accelerate). QLoRA: every rank quantizes one tensor at a
+    # time and keeps only its own shard (trainer/model/sharded_loading.py).
     cpu_ram_efficient_loading: Bool = False
     # The module classes that become one FSDP unit each; null: the model's decoder layer (_no_split_modules).
     wrap_classes: list[Str] | None = None
@@ -389,12 +390,6 @@ class Config:
                 "recomputes every decoder layer, as memory.gradient_checkpointing does; set only one of them",
                 "fsdp.activation_checkpointing",
                 "memory.gradient_checkpointing",
-            )
-        if self.fsdp.cpu_ram_efficient_loading and self.training.method == "qlora":
-            raise rule(
-                "4-bit weights are quantized while every rank loads them; set it to false for qlora",
-                "fsdp.cpu_ram_efficient_loading",
-                "training.method",
             )
         return self
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from trainer.families.base import kernel_path_chosen
 from trainer.fastpath import attention as fast_attention
 from trainer.model import kernel_choice
 from trainer.model.moe_quant import QuantizedExpertWeights, quantize_fused_experts
+from trainer.model.sharded_loading import ShardedLoad
 from trainer.training import chunked_loss
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ class LoadedModel:
     family: Family
     model_type: str
     report: dict
+    shards: ShardedLoad | None = None  # sharded loading: filled in after accelerate shards the model
 
 
 def is_local(name_or_path: str) -> bool:
@@ -170,8 +173,28 @@ def cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def load_base_model(cfg: Config, family: Family, hf_config, device: torch.device):
-    """Load (or random-init) the base model; 4-bit goes through from_pretrained so bitsandbytes quantizes."""
+def sharded_loading(cfg: Config) -> ShardedLoad | None:
+    """QLoRA under FSDP with ``fsdp.cpu_ram_efficient_loading`` on several processes: each rank keeps only
+    its shard of every weight while loading (trainer/model/sharded_loading.py). 16-bit models take
+    accelerate's way instead (rank 0 reads, the others receive their shards)."""
+    if not (
+        cfg.training.distributed == "fsdp"
+        and cfg.fsdp.cpu_ram_efficient_loading
+        and cfg.training.method == "qlora"
+    ):
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    q = cfg.quantization
+    expert_quant = (q.quant_type, q.double_quant, quant_storage(cfg)) if q.quantize_experts else None
+    return ShardedLoad(dist.get_rank(), dist.get_world_size(), expert_quant)
+
+
+def load_base_model(cfg: Config, family: Family, hf_config, device: torch.device, shards=None):
+    """Load (or random-init) the base model; 4-bit goes through from_pretrained so bitsandbytes quantizes.
+    With ``shards`` every weight read from the checkpoint is cut to this rank's shard as it loads."""
     dtype = resolve_dtype(cfg)
     qlora = cfg.training.method == "qlora"
     kwargs = {"dtype": dtype, "cache_dir": cfg.paths.cache_dir}
@@ -188,9 +211,11 @@ def load_base_model(cfg: Config, family: Family, hf_config, device: torch.device
         with tempfile.TemporaryDirectory(prefix="init-model-") as tmp:
             save_random_init(family.load(cfg.model, hf_config, from_config=True, dtype=dtype), tmp)
             local = type(cfg.model)(**{**cfg.model.__dict__, "name_or_path": tmp, "revision": None})
-            return family.load(local, hf_config, **kwargs)
+            with shards.capture() if shards else nullcontext():
+                return family.load(local, hf_config, **kwargs)
     try:
-        return family.load(cfg.model, hf_config, **kwargs)
+        with shards.capture() if shards else nullcontext():
+            return family.load(cfg.model, hf_config, **kwargs)
     except OSError as exc:
         first_line = str(exc).strip().splitlines()[0]
         raise ModelLoadError(
@@ -347,8 +372,10 @@ def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
     # Before anything path-dependent: LoRA defaults, 4-bit skips and the model itself follow the choice.
     choice = kernel_choice.choose(family, hf_config, cfg.model.kernel_path, device, compute)
     with kernel_path_chosen(model_type, choice.path):
-        model, report = _build(cfg, family, hf_config, device, compute, choice)
-    return LoadedModel(model=model, tokenizer=tokenizer, family=family, model_type=model_type, report=report)
+        model, report, shards = _build(cfg, family, hf_config, device, compute, choice)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, family=family, model_type=model_type, report=report, shards=shards
+    )
 
 
 def _kernel_line(family: Family, model_type: str, choice: kernel_choice.KernelChoice) -> str:
@@ -359,8 +386,9 @@ def _kernel_line(family: Family, model_type: str, choice: kernel_choice.KernelCh
     return line
 
 
-def _build(cfg: Config, family: Family, hf_config, device, compute, choice) -> tuple[torch.nn.Module, dict]:
-    """The model on the chosen kernel path, with adapters and the fast path where they apply; its report."""
+def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
+    """The model on the chosen kernel path, with adapters and the fast path where they apply; its report,
+    and what sharded loading kept for the shards (None when it does not apply)."""
     model_type = getattr(hf_config, "model_type", "") or ""
     if cfg.training.method in ("lora", "qlora"):
         check_lora_config(cfg, family, hf_config)
@@ -379,7 +407,13 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice) -> t
         fast = fastpath.Decision(
             False, f"the {family.name} family runs its own kernels ({kernel_path})", choice.checks
         )
-    model = load_base_model(cfg, family, hf_config, device)
+    shards = sharded_loading(cfg)
+    if shards is not None and cfg.lora.target_parameters and not cfg.quantization.quantize_experts:
+        raise ModelLoadError(
+            "lora.target_parameters: LoRA on fused expert weights reads them whole, which "
+            "fsdp.cpu_ram_efficient_loading keeps sharded; set one of them to null/false"
+        )
+    model = load_base_model(cfg, family, hf_config, device, shards)
     if cfg.training.method == "qlora" and cfg.quantization.quantize_experts:
         if cfg.lora.target_parameters:
             raise ModelLoadError(
@@ -387,7 +421,7 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice) -> t
                 "set it to false to put LoRA on experts"
             )
         quantize_fused_experts(
-            model, cfg.quantization.quant_type, cfg.quantization.double_quant, quant_storage(cfg)
+            model, cfg.quantization.quant_type, cfg.quantization.double_quant, quant_storage(cfg), shards
         )
     disable_cpu_bf16_repack(model)
     if hasattr(model.config, "use_cache"):
@@ -398,6 +432,8 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice) -> t
             model.enable_input_require_grads()
     if cfg.training.method in ("lora", "qlora"):
         model = apply_peft(model, cfg, family, upcast_for_kbit=not fast.enabled)
+    if shards is not None:
+        shards.to_meta(model)  # true shapes, no bytes: fully_shard cuts them, the kept chunks fill them
     report = size_report(model, cfg.training.method)
     offload = cfg.memory.gradient_checkpointing and cfg.memory.offload_checkpoints
     fast_report = fastpath.apply(model, fast, offload=offload and cfg.training.method in ("lora", "qlora"))
@@ -408,4 +444,4 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice) -> t
     fused = fast_report.fused_loss
     report["chunked_loss"] = chunked_loss.enable(model, cfg.memory.chunked_loss and not fused)
     report["kernel_path"] = kernel_path
-    return model, report
+    return model, report, shards

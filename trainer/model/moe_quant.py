@@ -44,6 +44,19 @@ class QuantizedExpertWeights(nn.Module):
                 self.register_buffer(f"packed_{index}", packed)
             self.quant_states.append(state)
 
+    @classmethod
+    def from_quantized(
+        cls, shape: tuple, compute_dtype: torch.dtype, packed: list[nn.Parameter], states: list
+    ) -> QuantizedExpertWeights:
+        """Experts quantized elsewhere (sharded loading, trainer/model/sharded_loading.py): their packed
+        bytes as floating parameters, one per expert, and their quantization states."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.shape, self.compute_dtype, self.quant_states = tuple(shape), compute_dtype, list(states)
+        for index, param in enumerate(packed):
+            self.register_parameter(f"packed_{index}", param)
+        return self
+
     def __len__(self) -> int:
         return self.shape[0]
 
@@ -84,13 +97,19 @@ def fused_expert_parameters(model: nn.Module) -> list[tuple[nn.Module, str, str]
 
 
 def quantize_fused_experts(
-    model: nn.Module, quant_type: str, double_quant: bool, storage: torch.dtype = torch.uint8
+    model: nn.Module, quant_type: str, double_quant: bool, storage: torch.dtype = torch.uint8, shards=None
 ) -> int:
-    """Replace fused expert parameters by 4-bit storage in place; returns how many were replaced."""
+    """Replace fused expert parameters by 4-bit storage in place; returns how many were replaced.
+
+    With ``shards`` (a ``ShardedLoad``) the experts were quantized while loading and only this rank's
+    chunks kept: the module is built from those, with stand-ins the sharded loading fills later."""
     replaced = 0
     for module, name, _ in fused_expert_parameters(model):
         weight = getattr(module, name)
-        quantized = QuantizedExpertWeights(weight, quant_type, double_quant, storage)
+        if shards is None:
+            quantized = QuantizedExpertWeights(weight, quant_type, double_quant, storage)
+        else:
+            quantized = _from_shards(shards, weight)
         delattr(module, name)
         module.add_module(name, quantized)
         if hasattr(module, "config") and getattr(module.config, "_experts_implementation", None) not in (
@@ -103,3 +122,13 @@ def quantize_fused_experts(
         del weight
         replaced += 1
     return replaced
+
+
+def _from_shards(shards, weight: nn.Parameter) -> QuantizedExpertWeights:
+    kept = shards.take_experts(weight)
+    packed = []
+    for piece in kept.packed:
+        stand_in = nn.Parameter(piece.chunk.new_empty(0), requires_grad=False)
+        shards.keep_stand_in(stand_in, piece.shape, piece.chunk)
+        packed.append(stand_in)
+    return QuantizedExpertWeights.from_quantized(kept.shape, kept.compute_dtype, packed, kept.states)

@@ -48,7 +48,9 @@ def make_plugin(cfg: Config):
             reshard_after_forward=f.reshard_after_forward,
             cpu_offload=f.cpu_offload,
             activation_checkpointing=f.activation_checkpointing,
-            cpu_ram_efficient_loading=f.cpu_ram_efficient_loading,
+            # accelerate's way (rank 0 reads, the others receive) is for 16-bit models; 4-bit ones are
+            # loaded in shards by the kit itself (trainer/model/sharded_loading.py)
+            cpu_ram_efficient_loading=f.cpu_ram_efficient_loading and cfg.training.method != "qlora",
             auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=list(f.wrap_classes) if f.wrap_classes else None,
             # Each rank writes its shard of the training state (torch.distributed.checkpoint); the weights are
@@ -109,6 +111,46 @@ def prepare_wrapping(accelerator, model: torch.nn.Module, cfg: Config) -> list[s
     names = wrap_classes(model, cfg.fsdp.wrap_classes)
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = names
     return names
+
+
+def held_bytes(model: torch.nn.Module, shards=None) -> int:
+    """Bytes of weights this rank holds: the model's materialised parameters and buffers (each storage
+    once) plus what sharded loading keeps aside for the shards. Measured right before sharding, it is the
+    load-time footprint: the whole model without sharded loading, about 1/N with it."""
+    seen, total = set(), 0
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_meta or tensor.numel() == 0:
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total + (shards.held_bytes if shards is not None else 0)
+
+
+def loading_line(accelerator, model: torch.nn.Module, shards=None) -> str:
+    """What this rank holds right before sharding, and on a GPU the peak allocated so far (the load's)."""
+    held = held_bytes(model, shards)
+    line = (
+        f"fsdp loading: rank {accelerator.process_index} holds {held} bytes ({held / 2**20:.1f} MiB) "
+        "of weights before sharding"
+    )
+    if shards is not None:
+        line += (
+            f" (loaded in shards: at most {shards.peak_bytes / 2**20:.1f} MiB kept plus the tensor in hand)"
+        )
+    if accelerator.device.type == "cuda":
+        line += (
+            f"; GPU peak while loading {torch.cuda.max_memory_allocated(accelerator.device) / 2**20:.0f} MiB"
+        )
+    return line
+
+
+def fill_loaded_shards(accelerator, shards, cpu_offload: bool) -> int:
+    """After ``prepare``: each rank's shards of the weights that sharded loading kept aside (on the CPU
+    where fsdp.cpu_offload keeps the shards)."""
+    device = torch.device("cpu") if cpu_offload else accelerator.device
+    return shards.materialise(device)
 
 
 def reshard(model: torch.nn.Module) -> None:

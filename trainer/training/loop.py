@@ -147,9 +147,13 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
     total_steps = count_steps(cfg, len(data.train), world)
     # LoRA-GA's init, SDLoRA's stage one and masks: once per run folder, before the optimizer sees the weights.
     peft_methods.prepare(loaded, cfg, data, pad_id, kernels.loss, accelerator, output_dir, log)
+    if fsdp.wanted(cfg):
+        print(fsdp.loading_line(accelerator, loaded.model, loaded.shards), flush=True)
     model, optimizer, scheduler = setup_optimizer(
         kernels.prepare(loaded.model), cfg, accelerator, total_steps
     )
+    if loaded.shards is not None:  # QLoRA loaded in shards: each rank fills its own now that FSDP cut them
+        fsdp.fill_loaded_shards(accelerator, loaded.shards, cfg.fsdp.cpu_offload)
     counter = ExpertCounter(accelerator.unwrap_model(model))
     loss = faults.loss(kernels.loss)
     aux_coef = float(getattr(accelerator.unwrap_model(model).config, "router_aux_loss_coef", 0.0) or 0.0)
