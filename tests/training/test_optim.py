@@ -1,4 +1,5 @@
-"""A resumed paged optimizer keeps its state paged (bitsandbytes' load_state_dict brings it back unpaged)."""
+"""What a resume restores beyond the weights: a paged optimizer's state paged again (bitsandbytes' load_state_dict
+brings it back unpaged), and the process count the checkpoint was written by."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_restore_repages_the_optimizer_it_loads(monkeypatch):
     optimizer = FakePagedOptimizer(is_paged=True)
     loaded_state(optimizer)
     monkeypatch.setattr(checkpointing, "load_checkpoint_weights", lambda *a: None)
-    accelerator = types.SimpleNamespace(load_state=lambda path: None)
+    accelerator = types.SimpleNamespace(load_state=lambda path: None, num_processes=1)
     monkeypatch.setattr(checkpointing.fsdp, "active", lambda acc: False)
     resume = types.SimpleNamespace(
         path=checkpointing.Path("/nonexistent/checkpoint-4"),
@@ -67,3 +68,32 @@ def test_restore_repages_the_optimizer_it_loads(monkeypatch):
     state = checkpointing.LoopState(shape=checkpointing.StepShape(micro=1, accum=1))
     checkpointing.restore(resume, accelerator, None, state, optimizer)
     assert state.step == 4 and len(optimizer.handed_out) == 2
+
+
+def resume_point(processes):
+    state = {"step": 4, "epoch_index": 0, "rows_seen": 8}
+    if processes is not None:
+        state["processes"] = processes
+    return types.SimpleNamespace(path=checkpointing.Path("/runs/a/checkpoint-4"), state=state)
+
+
+def test_a_different_process_count_is_refused_under_fsdp_and_warned_about_under_ddp(monkeypatch, capsys):
+    """trainer_state.json records how many processes wrote it: FSDP's optimizer shards are per rank (refused,
+    naming the count to use); DDP goes on with one warning line; the same count, or an older checkpoint that
+    does not say, resumes silently."""
+    accelerator = types.SimpleNamespace(num_processes=1, is_main_process=True)
+    for sharded, saved in ((False, 2), (False, 1), (False, None), (True, 1)):
+        monkeypatch.setattr(checkpointing.fsdp, "active", lambda acc, on=sharded: on)
+        checkpointing.check_process_count(resume_point(saved), accelerator)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("WARNING")]
+    assert warnings == [
+        "WARNING: checkpoint-4 was saved by 2 processes and resumes on 1: the run goes on, but rows per step "
+        "and random streams differ from an uninterrupted run"
+    ]
+    monkeypatch.setattr(checkpointing.fsdp, "active", lambda acc: True)
+    try:
+        checkpointing.check_process_count(resume_point(4), accelerator)
+    except checkpointing.ckpt.CheckpointError as exc:
+        assert "saved by 4 FSDP processes" in str(exc) and "--num_processes 4" in str(exc)
+    else:
+        raise AssertionError("a resume on another FSDP process count was let through")

@@ -7,6 +7,7 @@ this module decides what goes in and what happens around a save.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +92,7 @@ def restore(resume_from, accelerator, model, state: LoopState, optimizer=None, s
 
     A saved OOM shape is kept when it still feeds the configured rows per step. Under FSDP the training state
     is sharded (trainer/training/fsdp.py) and the consolidated adapter is copied into the sharded model."""
+    check_process_count(resume_from, accelerator)
     if fsdp.active(accelerator):
         adapter = resume_from.path / "adapter_model.safetensors"
         fsdp.load_training_state(
@@ -114,6 +116,28 @@ def restore(resume_from, accelerator, model, state: LoopState, optimizer=None, s
         state.shape = StepShape(**shape)
 
 
+def check_process_count(resume_from, accelerator) -> None:
+    """A checkpoint resumes exactly on the number of processes that wrote it (per-rank RNG and, under FSDP,
+    optimizer shards). Under FSDP another count is refused; under DDP the run goes on with one warning: the
+    rows per step change, and the ranks that are gone take their RNG states with them."""
+    saved = resume_from.state.get("processes")
+    now = accelerator.num_processes
+    if saved is None or saved == now:
+        return
+    if fsdp.active(accelerator):
+        raise ckpt.CheckpointError(
+            f"{resume_from.path.name} was saved by {saved} FSDP processes and this run has {now}: its "
+            f"optimizer shards are per rank; resume with --num_processes {saved}"
+        )
+    if accelerator.is_main_process:
+        print(
+            f"WARNING: {resume_from.path.name} was saved by {saved} processes and resumes on {now}: the run goes "
+            "on, but rows per step and random streams differ from an uninterrupted run",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 @dataclass
 class Checkpointer:
     """Saves checkpoint-<step> (final-checkpoint-<step> for kind "final"), logs it, keeps the best copy, prunes."""
@@ -131,7 +155,7 @@ class Checkpointer:
     def save(self, kind: str, state: LoopState) -> None:
         """kind: periodic, signal, oom or final. Updates ``state.best`` when this step's evaluation is better."""
         cfg, log = self.cfg, self.log
-        saved = state.trainer_state(cfg)
+        saved = {**state.trainer_state(cfg), "processes": self.accelerator.num_processes}
         is_better = best_is(saved["metric_value"], state.best, cfg)
         if is_better:
             saved["best_metric"] = saved["metric_value"]
