@@ -125,7 +125,9 @@ def main() -> None:
     run = build_run(root, args.records)
     size = (run / "logs" / "training_log.jsonl").stat().st_size
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    )
     server = subprocess.Popen(
         [sys.executable, "-m", "dashboard", "--logdir", str(root), "--port", str(port), "--server", "gunicorn", "--nice", "0"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

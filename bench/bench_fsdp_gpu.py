@@ -111,7 +111,12 @@ def command(config: Path, gpus: int, port: int) -> list[str]:
 
 
 def environment(args) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
     if args.smoke:
         env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
     return env
