@@ -8,6 +8,8 @@ What it does to a loaded (PEFT-wrapped) model, each piece only where it applies:
 - every plain-LoRA projection as one autograd node, 4-bit bases dequantized into a reused buffer
   (``lora_ops``, ``patch``), Q/K/V of an attention block as one node, and gate/up/down SwiGLU blocks as
   one node that recomputes the activation;
+- 4-bit MoE experts dequantized once per layer and multiplied by one grouped GEMM per projection
+  (``moe_experts``) instead of transformers' per-expert loop;
 - the next-token loss through Liger's fused linear cross-entropy (the head and the loss in chunks, the
   gradient computed in the forward), where the logits are exactly ``lm_head(hidden)``;
 - with checkpointing, each decoder layer's input kept in pinned host memory until its backward (``offload``);
@@ -28,6 +30,7 @@ from trainer.data.dataset import IGNORE
 from trainer.families import ModelLoadError
 from trainer.families import head as model_head
 from trainer.fastpath import selfcheck
+from trainer.fastpath.moe_experts import patch_quantized_experts
 from trainer.fastpath.offload import offload_checkpointed_layers
 from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_qkv_groups, patch_swiglu_mlps
 
@@ -51,6 +54,7 @@ class FastPathReport:
     qkv_groups_fused: int = 0
     rms_norm: str = "torch"
     offloaded_layers: int = 0  # checkpointed decoder layers whose inputs wait in pinned host memory
+    moe_experts_grouped: int = 0  # 4-bit experts modules on one dequantization + grouped GEMM per projection
     self_check: list = field(default_factory=list)  # KernelCheck.as_dict() of each kernel checked
 
     def as_dict(self) -> dict:
@@ -169,6 +173,7 @@ def apply(model, decision: Decision, rms_norm: str = "torch", offload: bool = Fa
     report.mlp_blocks_fused = patch_swiglu_mlps(model)
     report.lora_modules_fused, report.lora_modules_reference = patch_lora_linears(model)
     report.qkv_groups_fused = patch_qkv_groups(model)
+    report.moe_experts_grouped = patch_quantized_experts(model)
     if offload:
         report.offloaded_layers = offload_checkpointed_layers(model)
     head = model_head.output_head(model)

@@ -94,11 +94,33 @@ def check_fused_cross_entropy(device, dtype, kernel=None) -> float:
     return compare(out, lambda h: fastpath.reference_cross_entropy(ref_head, h, labels), [hidden])
 
 
+def check_grouped_4bit_experts(device, dtype, kernel=None) -> float:
+    """4-bit MoE experts packed into one tensor, dequantized in one launch and multiplied by a grouped GEMM
+    (trainer/fastpath/moe_experts.py), against each expert dequantized by bitsandbytes and an eager loop."""
+    from trainer.fastpath import moe_experts
+    from trainer.model.moe_quant import QuantizedExpertWeights
+
+    weights = QuantizedExpertWeights((torch.randn(4, 256, 64, device=device) * 0.1).to(dtype), "nf4", True)
+    dense = torch.stack([weights[i] for i in range(len(weights))]).float()  # bitsandbytes, one expert each
+    packed = moe_experts.pack_experts(weights)
+    ends = [5, 5, 15, 24]  # expert 1 gets no tokens
+    offsets = torch.tensor(ends, dtype=torch.int32, device=device)
+    (x,) = random_leaves((24, 64), device=device, dtype=dtype)
+    out = (kernel or moe_experts.GroupedFrozenLinear.apply)(x, packed, offsets)
+
+    def reference(x):
+        starts = [0, *ends[:-1]]
+        return torch.cat([x[s:e] @ dense[i].t() for i, (s, e) in enumerate(zip(starts, ends, strict=True))])
+
+    return compare(out, reference, [x])
+
+
 CHECKS: dict[str, Callable] = {
     "lora_linear": check_lora_linear,
     "lora_linear_nf4": check_lora_linear_nf4,
     "lora_mlp": check_lora_mlp,
     "fused_cross_entropy": check_fused_cross_entropy,
+    "grouped_4bit_experts": check_grouped_4bit_experts,
 }
 
 
