@@ -121,3 +121,45 @@ def test_self_check_passes_grouped_experts_and_catches_a_wrong_layout():
     wrong = functools.partial(selfcheck.check_grouped_4bit_experts, kernel=shuffled)
     bad = selfcheck.run(cpu, torch.float32, {"grouped_4bit_experts": wrong})
     assert [c.kernel for c in selfcheck.failures(bad)] == ["grouped_4bit_experts"]
+
+
+def test_fast_path_apply_groups_the_kits_qlora_moe_experts(monkeypatch, write_config):
+    """Loaded as the kit loads QLoRA MoE (experts quantized, LoRA on attention), ``fastpath.apply`` reports the
+    experts modules it grouped, and the loss and LoRA gradients stay those of the eager loop."""
+    import trainer.fastpath as fastpath
+    from trainer.config import load_config
+    from trainer.model.loading import load_for_training
+
+    cfg = load_config(
+        write_config(
+            {
+                "model": {"name_or_path": str(REPO / "configs" / "tiny-moe")},
+                "training": {"method": "qlora"},
+                "lora": {"dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+                "quantization": {"compute_dtype": "fp32"},
+            }
+        )
+    )
+    model = load_for_training(cfg, torch.device("cpu")).model
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.02)
+    ids = torch.randint(3, 1024, (2, 16))
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    eager_loss, eager_grads = loss_and_grads()
+    monkeypatch.setattr(fastpath, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(fastpath, "_apply_liger", lambda model, rms_norm=True: False)
+    decision = fastpath.decide("auto", torch.device("cpu"), torch.float32, {})
+    report = fastpath.apply(model, decision)
+    assert report.enabled and report.moe_experts_grouped == 2
+    grouped_loss, grouped_grads = loss_and_grads()
+    assert torch.allclose(eager_loss, grouped_loss, atol=1e-5)
+    for name, grad in eager_grads.items():
+        assert torch.allclose(grad, grouped_grads[name], atol=1e-5, rtol=1e-4), name
