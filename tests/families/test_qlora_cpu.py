@@ -154,3 +154,28 @@ def test_quantized_experts_compute_with_dequantized_weights():
         original[3].contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4"
     )
     assert torch.equal(experts.gate_up_proj[3], bnbf.dequantize_4bit(q, state))
+
+
+def test_qlora_keeps_16bit_weights_where_fused_kernels_train():
+    """QLoRA's fp32 upcast stays on the reference paths (CPU, torch-reference) and is skipped where the
+    causal fast path or a family's own GPU kernels (mamba_ssm, fla's Triton) run, as their LoRA runs do."""
+    from transformers import AutoConfig
+
+    from trainer.families import family_for
+    from trainer.fastpath import Decision
+    from trainer.model.loading import keeps_16bit_under_qlora
+
+    pytest.importorskip("fla")  # registers the gla config with transformers
+
+    off, on = Decision(False, "off"), Decision(True)
+    mamba2 = AutoConfig.from_pretrained(REPO / "configs" / "tiny-mamba2")
+    gla = AutoConfig.from_pretrained(REPO / "configs" / "tiny-gla")
+    causal = AutoConfig.from_pretrained(REPO / "configs" / "tiny-llama")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert keeps_16bit_under_qlora(family_for("mamba2"), mamba2, "mamba_ssm", cuda, off)
+    assert keeps_16bit_under_qlora(family_for("gla"), gla, "fla-triton", cuda, off)
+    assert not keeps_16bit_under_qlora(family_for("mamba2"), mamba2, "torch-reference", cuda, off)
+    assert not keeps_16bit_under_qlora(family_for("gla"), gla, "fla-naive-torch", cuda, off)
+    assert not keeps_16bit_under_qlora(family_for("mamba2"), mamba2, "mamba_ssm", cpu, off)
+    assert not keeps_16bit_under_qlora(family_for("llama"), causal, "transformers", cuda, off)
+    assert keeps_16bit_under_qlora(family_for("llama"), causal, "transformers", cuda, on)

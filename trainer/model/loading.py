@@ -386,6 +386,20 @@ def _kernel_line(family: Family, model_type: str, choice: kernel_choice.KernelCh
     return line
 
 
+def keeps_16bit_under_qlora(family: Family, hf_config, kernel_path: str, device, fast) -> bool:
+    """Whether QLoRA skips ``prepare_model_for_kbit_training``'s fp32 upcast of every 16-bit parameter.
+
+    The upcast suits eager maths (the reference paths). The causal fast path, and the GLA and Mamba families'
+    own GPU kernels (a path with start-up checks: fla's Triton, mamba_ssm), take bf16 weights as the LoRA runs
+    on them do and accumulate in fp32 inside; fed fp32 norms, convolutions and out_proj they go down their
+    fp32 variants instead (on an H100, Mamba-2 QLoRA on mamba_ssm did not finish 10 steps in 120 s, where the
+    same model's LoRA run, bf16 throughout, took under 100 s with its autotuning)."""
+    if fast.enabled:
+        return True
+    own_kernels = family.name != "causal" and bool(family.kernel_checks(hf_config, kernel_path))
+    return own_kernels and torch.device(device).type == "cuda"
+
+
 def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
     """The model on the chosen kernel path, with adapters and the fast path where they apply; its report,
     and what sharded loading kept for the shards (None when it does not apply)."""
@@ -431,7 +445,8 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
         if cfg.training.method == "lora":
             model.enable_input_require_grads()
     if cfg.training.method in ("lora", "qlora"):
-        model = apply_peft(model, cfg, family, upcast_for_kbit=not fast.enabled)
+        upcast = not keeps_16bit_under_qlora(family, hf_config, kernel_path, device, fast)
+        model = apply_peft(model, cfg, family, upcast_for_kbit=upcast)
     if shards is not None:
         shards.to_meta(model)  # true shapes, no bytes: fully_shard cuts them, the kept chunks fill them
     report = size_report(model, cfg.training.method)
