@@ -438,6 +438,34 @@ def environment() -> dict:
     return info
 
 
+def run_row_child(row, args, argv) -> dict:
+    """One row in its own process (a fresh CUDA context and allocator); ``--row-timeout`` bounds it."""
+    child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--row", row.name]
+    try:
+        done = subprocess.run(child, capture_output=True, text=True, timeout=args.row_timeout)
+    except subprocess.TimeoutExpired as expired:
+        output = expired.stderr or b""
+        tail = (output.decode(errors="replace") if isinstance(output, bytes) else output).strip().splitlines()
+        sys.stderr.write("\n".join(tail[-3:]) + "\n")
+        return {
+            "row": row.name,
+            "status": "timeout",
+            "reason": f"still running after {args.row_timeout:.0f} s",
+        }
+    sys.stderr.write("\n".join(done.stderr.splitlines()[-3:]) + "\n")
+    found = [line for line in done.stdout.splitlines() if line.startswith("ROW-RESULT ")]
+    if found:
+        return json.loads(found[-1][len("ROW-RESULT ") :])
+    tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+    return {"row": row.name, "status": "error", "reason": f"exit {done.returncode}: {tail[0]}"[:300]}
+
+
+def write_report(out: str, results: list[dict]) -> None:
+    report = {"environment": environment(), "rows": results, "summary": ratio_notes(results)}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=2))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -455,6 +483,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="families.json", help="JSON file for the results")
     parser.add_argument(
         "--smoke", action="store_true", help="toy model sizes (check the script, not the GPU)"
+    )
+    parser.add_argument(
+        "--row-timeout",
+        type=float,
+        default=None,
+        help="seconds a row may run before it is recorded as a timeout",
     )
     parser.add_argument("--inline", action="store_true", help="run rows in this process instead of one each")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run this one row, print its JSON
@@ -475,21 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {row.name}", file=sys.stderr, flush=True)
         if args.inline:
             results.append(run_row_safely(row, args.steps, args.seq, args.smoke))
-            continue
-        child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--row", row.name]
-        done = subprocess.run(child, capture_output=True, text=True)
-        found = [line for line in done.stdout.splitlines() if line.startswith("ROW-RESULT ")]
-        if found:
-            results.append(json.loads(found[-1][len("ROW-RESULT ") :]))
         else:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            results.append(
-                {"row": row.name, "status": "error", "reason": f"exit {done.returncode}: {tail[0]}"[:300]}
-            )
-        sys.stderr.write("\n".join(done.stderr.splitlines()[-3:]) + "\n")
-    report = {"environment": environment(), "rows": results, "summary": ratio_notes(results)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+            results.append(run_row_child(row, args, argv))
+        write_report(args.out, results)  # after every row: a call cut short keeps the rows it finished
+    write_report(args.out, results)
     print(table(results))
     print(f"wrote {args.out}")
     return 0

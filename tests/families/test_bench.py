@@ -147,3 +147,34 @@ def test_gla_attention_mode_switches_every_layer_for_the_block_only():
     with bench.gla_attention_mode(model, "fused_recurrent"):
         assert {layer.mode for layer in layers} == {"fused_recurrent"}
     assert {layer.mode for layer in layers} == {"chunk"}
+
+
+def test_a_row_past_its_timeout_is_recorded_and_earlier_rows_are_kept(tmp_path, monkeypatch):
+    """``--row-timeout``: a row still running is recorded as a timeout and the next row runs; the JSON is
+    written after every row, so a call cut short keeps what finished."""
+    import subprocess
+
+    bench = load_bench()
+    out = tmp_path / "families.json"
+    seen = []
+
+    def fake_run(child, **kwargs):
+        row = child[-1]
+        seen.append((row, kwargs.get("timeout")))
+        if row.endswith("dora fast"):
+            raise subprocess.TimeoutExpired(child, kwargs["timeout"], stderr=b"autotuning...")
+        if len(seen) > 1:  # the rows before were written already
+            assert [r["row"] for r in json.loads(out.read_text())["rows"]] == [s[0] for s in seen[:-1]]
+        result = {"row": row, "status": "ok", "tokens_per_s": 1.0, "kernel_path": "mamba_ssm", "seq": 64,
+                  "total_params_m": 1, "batch": 2, "peak_gib": None}  # fmt: skip
+        return subprocess.CompletedProcess(child, 0, stdout="ROW-RESULT " + json.dumps(result), stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    args = ["--only", "mamba2-130m", "--row-timeout", "7", "--out", str(out)]
+    assert bench.main(args) == 0
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 5 and all(timeout == 7 for _, timeout in seen)
+    assert rows["mamba2-130m dora fast"] == {
+        "row": "mamba2-130m dora fast", "status": "timeout", "reason": "still running after 7 s"
+    }  # fmt: skip
+    assert rows["mamba2-130m qlora reference"]["status"] == "ok"
