@@ -260,22 +260,37 @@ def test_sharded_loading_refuses_lora_on_fused_experts():
 # ---------------------------------------------------------------- planner and info
 
 
-def test_planner_divides_the_sharded_state_not_the_activations():
+def test_planner_divides_the_sharded_state_not_the_activations_nor_the_head():
     from trainer.tools.planner import fsdp_per_gpu_mb, sharded_state_mb
 
     model = tiny_causal_lm("llama")
     optimizer = torch.optim.AdamW(model.parameters())
     model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
     optimizer.step()
-    sharded, layer = sharded_state_mb(model, optimizer)
+    state = sharded_state_mb(model, optimizer)
     params_mb = sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    head_mb = model.lm_head.weight.numel() * 4 / 2**20
     # weights, gradients, Adam's two moments (fp32) and its step counters
-    assert sharded == pytest.approx(4 * params_mb, rel=1e-3)
-    assert 0 < layer < params_mb
+    assert state.sharded_mb == pytest.approx(4 * params_mb, rel=1e-3)
+    assert 0 < state.layer_mb < params_mb and state.head_mb == head_mb
     activations = 100.0
-    peak = activations + sharded
-    assert fsdp_per_gpu_mb(peak, sharded, layer, 1) == peak
-    assert fsdp_per_gpu_mb(peak, sharded, layer, 4) == pytest.approx(activations + sharded / 4 + 1.5 * layer)
+    peak = activations + state.sharded_mb
+    assert fsdp_per_gpu_mb(peak, state, 1) == peak
+    # the head stays gathered whole from the loss on (accelerate's tail unit): not divided
+    expected = activations + (state.sharded_mb - head_mb) / 4 + head_mb + 1.5 * state.layer_mb
+    assert fsdp_per_gpu_mb(peak, state, 4) == pytest.approx(expected)
+
+    # Full fine-tuning in bf16 under mixed precision: accelerate keeps FSDP's master weights in fp32, so the
+    # trainable parameters, their gradients and Adam's moments count twice their bf16 bytes.
+    model = model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    as_trained = sharded_state_mb(model, optimizer).sharded_mb
+    assert as_trained == pytest.approx(2 * params_mb, rel=1e-3)
+    assert sharded_state_mb(model, optimizer, master_fp32=True).sharded_mb == pytest.approx(
+        4 * params_mb, rel=1e-3
+    )
 
 
 def test_info_names_how_many_gpus_fsdp_needs():
