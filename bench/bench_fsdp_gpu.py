@@ -2,12 +2,21 @@
 
 Offline: the models are random-initialised from configs written here (no download), with the layer shapes of
 a dense 8B (Llama-3-8B) and of GLM-4.5-Air (glm4_moe), and fewer layers; the per-GPU figure of the full
-model follows from the per-layer one (printed as "per layer"). Every cell is a real `python -m trainer train`
+model follows from the per-layer one (printed as "per layer"). The random weights are written once per model
+(on a GPU when there is one) and every cell loads them. Every cell is a real `python -m trainer train`
 (under `accelerate launch` for several GPUs) whose run folder gives the numbers: rank 0's peak allocated
-memory (training_log.jsonl `peak_mem_mb`, steps after the first) and the median tokens/s of all ranks.
+memory (training_log.jsonl `peak_mem_mb`, steps after the first) and the median tokens/s of all ranks; FSDP
+cells add each rank's parameter bytes after sharding (the trainer's "fsdp sharded" line).
+
+FSDP cannot take the CUDA fast path (its fused kernels read whole weights), so the memory section's DDP cells
+run the reference path too (performance.fast_path: off): the comparison isolates sharding. A last "ddp+fast"
+row per model shows DDP on one GPU as users get it (fast path on).
+
+Each finished cell is printed as a JSON line and written into report.json at once, so a run cut short keeps
+what finished; --budget S starts no cell after S seconds and stops a running one at S (status "timeout").
 
     python bench/bench_fsdp_gpu.py --out /tmp/fsdp-bench                      # everything, on the GPUs here
-    python bench/bench_fsdp_gpu.py --out /tmp/fsdp-bench --gpus 1,2 --only memory
+    python bench/bench_fsdp_gpu.py --out /tmp/fsdp-bench --gpus 1,2 --only memory --methods qlora --budget 540
     python bench/bench_fsdp_gpu.py --out /tmp/fsdp-smoke --smoke              # CPU, tiny shapes: the script runs
     python bench/bench_fsdp_gpu.py --out /tmp/fsdp-load --gpus 2,4 --only loading --steps 3
 
@@ -60,22 +69,49 @@ SMOKE_SHAPES = {  # CPU: the same architectures, tiny
 
 
 def write_model(folder: Path, shapes: dict, layers: int, smoke: bool) -> Path:
+    """The config, and random weights once (in a subprocess, so this process holds no GPU memory)."""
     config = {k: v for k, v in shapes.items() if k != "full_layers"}
     if smoke:
         config.update({k: v for k, v in SMOKE_SHAPES.items() if k in config})
     config["num_hidden_layers"] = layers
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    written = folder / "config.json"
+    if (
+        written.exists()
+        and any(folder.glob("*.safetensors"))
+        and json.loads(written.read_text()).get("num_hidden_layers") == layers
+    ):
+        return folder  # weights of this shape already written by an earlier run into the same --out
+    written.write_text(json.dumps(config, indent=2))
+    for old in folder.glob("*.safetensors*"):
+        old.unlink()
+    dtype = "float32" if smoke else "bfloat16"
+    subprocess.run([sys.executable, __file__, "--build-weights", str(folder), dtype], check=True, cwd=REPO)
     return folder
+
+
+def build_weights(folder: str, dtype: str) -> None:
+    """Random weights for the config in ``folder``, built on a GPU where there is one (seconds, not the
+    minute a CPU init of an 8B-shaped model takes on every rank of every cell)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype)
+        )
+    model.save_pretrained(folder)
 
 
 def cell_config(out: Path, model: Path, method: str, distributed: str, gpus: int, args, **extra) -> Path:
     fp32 = extra.pop("fp32", False)
+    fast_path = extra.pop("fast_path", "off")
     cfg = {
         "paths": {"output_dir": str(out), "train_file": str(REPO / "data" / "tiny_corpus.jsonl")},
         "model": {
             "name_or_path": str(model),
-            "random_init": True,
             "tokenizer": str(REPO / "configs" / "tiny-llama"),  # ids < 1024 fit every vocabulary here
             "dtype": "fp32" if fp32 or args.smoke else "bf16",
         },
@@ -94,7 +130,7 @@ def cell_config(out: Path, model: Path, method: str, distributed: str, gpus: int
         "eval": {"interval": 10_000, "at_end": False},
         "memory": {"gradient_checkpointing": not args.smoke},
         "logging": {"progress_bar": False, "telemetry_interval": 2},
-        "performance": {"tf32": not fp32},
+        "performance": {"tf32": not fp32, "fast_path": fast_path},
     }
     path = out.parent / f"{out.name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,11 +158,39 @@ def environment(args) -> dict:
     return env
 
 
+class Budget:
+    """Seconds left of --budget (None: no limit)."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds, self.started = seconds, time.monotonic()
+
+    def left(self) -> float | None:
+        return None if not self.seconds else self.seconds - (time.monotonic() - self.started)
+
+    def spent(self, margin: float = 20.0) -> bool:
+        left = self.left()
+        return left is not None and left < margin
+
+
 def train(config: Path, gpus: int, args) -> subprocess.CompletedProcess:
+    """One cell; past the budget its launcher and ranks are killed and the return code is "timeout"."""
     args.port += 1
-    return subprocess.run(
-        command(config, gpus, args.port), cwd=REPO, env=environment(args), capture_output=True, text=True
-    )
+    proc = subprocess.Popen(command(config, gpus, args.port), cwd=REPO, env=environment(args), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=args.budget.left())
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        stdout, stderr = proc.communicate()
+        code = "timeout"
+    return subprocess.CompletedProcess(proc.args, code, stdout, stderr)
+
+
+def status(result: subprocess.CompletedProcess) -> str:
+    if result.returncode == "timeout":
+        return "timeout (budget)"
+    return "oom" if oom(result) else f"failed ({result.returncode})"
 
 
 def records(run: Path) -> list[dict]:
@@ -178,56 +242,83 @@ def oom(result: subprocess.CompletedProcess) -> bool:
 # ---------------------------------------------------------------- sections
 
 
-def memory(args, models: dict, out: Path) -> list[dict]:
-    rows = []
-    for name, (folder, layers, full_layers) in models.items():
-        per_layer = layer_params(folder)
+def sharded_lines(stdout: str) -> dict[int, int]:
+    """rank -> parameter bytes it holds after sharding, from the trainer's "fsdp sharded" lines."""
+    import re
+
+    return {int(r): int(b) for r, b in re.findall(r"fsdp sharded: rank (\d+) holds (\d+) bytes", stdout)}
+
+
+def memory_cells(args, models: dict) -> list[tuple[str, str, str, int]]:
+    """(model, method, mode, gpus), the comparisons first: DDP on one GPU, FSDP and DDP on each larger count;
+    then DDP with the fast path, the context (what FSDP gives up)."""
+    several = [g for g in args.gpus if g > 1]
+    core, context = [], []
+    for name in models:
         for method in args.methods:
-            for gpus in args.gpus:
-                for distributed in ("ddp", "fsdp"):
-                    if gpus == 1 and distributed == "fsdp":
-                        continue  # one process has nothing to shard
-                    run = out / "memory" / f"{name}-{method}-{distributed}-{gpus}"
-                    result = train(cell_config(run, folder, method, distributed, gpus, args), gpus, args)
-                    row = {
-                        "model": name,
-                        "layers": layers,
-                        "method": method,
-                        "mode": distributed,
-                        "gpus": gpus,
-                    }
-                    if result.returncode != 0:
-                        row["status"] = "oom" if oom(result) else f"failed ({result.returncode})"
-                        (run.parent / f"{run.name}.log").write_text(result.stdout + result.stderr)
-                    else:
-                        row.update(figures(run, gpus), status="ok")
-                        row.pop("losses")
-                        row[f"full_{full_layers}_layers_gib"] = full_model_gib(row, per_layer, full_layers)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-    return rows
+            if 1 in args.gpus:
+                core.append((name, method, "ddp", 1))
+            core += [(name, method, "fsdp", g) for g in several] + [(name, method, "ddp", g) for g in several]
+            if 1 in args.gpus and not args.smoke:
+                context.append((name, method, "ddp+fast", 1))
+    return core + context
 
 
-def equality(args, models: dict, out: Path) -> list[dict]:
+def memory(args, models: dict, out: Path, report: Report) -> None:
+    per_layer = {name: layer_params(folder) for name, (folder, _, _) in models.items()}
+    for name, method, mode, gpus in memory_cells(args, models):
+        folder, layers, full_layers = models[name]
+        row = {"model": name, "layers": layers, "method": method, "mode": mode, "gpus": gpus}
+        if args.budget.spent():
+            report.add("memory", {**row, "status": "skipped (budget)"})
+            continue
+        distributed = "fsdp" if mode == "fsdp" else "ddp"
+        run = out / "memory" / f"{name}-{method}-{mode}-{gpus}"
+        fast_path = "auto" if mode == "ddp+fast" else "off"
+        started = time.monotonic()
+        result = train(
+            cell_config(run, folder, method, distributed, gpus, args, fast_path=fast_path), gpus, args
+        )
+        row["seconds"] = round(time.monotonic() - started)
+        if result.returncode != 0:
+            row["status"] = status(result)
+            (run.parent / f"{run.name}.log").write_text(result.stdout + result.stderr)
+        else:
+            row.update(figures(run, gpus), status="ok")
+            row.pop("losses")
+            held = sharded_lines(result.stdout)
+            if held:
+                row["params_mib_max_rank"] = round(max(held.values()) / 2**20, 1)
+            row[f"full_{full_layers}_layers_gib"] = full_model_gib(row, per_layer[name], full_layers)
+        report.add("memory", row)
+
+
+def equality(args, models: dict, out: Path, report: Report) -> None:
     """fp32 LoRA on the dense shape: FSDP on N GPUs against one GPU over the same rows."""
     folder = models["dense"][0]
+    if args.budget.spent():
+        report.add("equality", {"status": "skipped (budget)"})
+        return
     reference = out / "equality" / "dense-1"
     result = train(cell_config(reference, folder, "lora", "ddp", 1, args, fp32=True), 1, args)
     if result.returncode != 0:
-        return [{"status": f"1-GPU reference failed: {result.stderr[-300:]}"}]
+        report.add("equality", {"status": f"1-GPU reference {status(result)}: {result.stderr[-300:]}"})
+        return
     one = figures(reference, 1)["losses"]
-    rows = []
     for gpus in [g for g in args.gpus if g > 1]:
+        if args.budget.spent():
+            report.add("equality", {"gpus": gpus, "status": "skipped (budget)"})
+            continue
         run = out / "equality" / f"dense-fsdp-{gpus}"
         result = train(cell_config(run, folder, "lora", "fsdp", gpus, args, fp32=True), gpus, args)
         if result.returncode != 0:
-            rows.append({"gpus": gpus, "status": f"failed: {result.stderr[-300:]}"})
+            report.add("equality", {"gpus": gpus, "status": f"{status(result)}: {result.stderr[-300:]}"})
             continue
         losses = figures(run, gpus)["losses"]
         diff = max(abs(a - b) for a, b in zip(losses, one)) if len(losses) == len(one) else None
-        rows.append({"gpus": gpus, "steps": len(losses), "max_abs_loss_diff": diff, "status": "ok"})
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+        report.add(
+            "equality", {"gpus": gpus, "steps": len(losses), "max_abs_loss_diff": diff, "status": "ok"}
+        )
 
 
 def loading_lines(stdout: str) -> dict[int, tuple[int, float | None]]:
@@ -241,45 +332,48 @@ def loading_lines(stdout: str) -> dict[int, tuple[int, float | None]]:
     return found
 
 
-def loading(args, models: dict, out: Path) -> list[dict]:
+def loading(args, models: dict, out: Path, report: Report) -> None:
     """QLoRA under FSDP on each GPU count > 1, loaded whole and in shards: the load-time figures per rank
     (the largest over ranks), and the training peak after, for both models."""
-    rows = []
     for name, (folder, layers, _) in models.items():
         for gpus in [g for g in args.gpus if g > 1]:
             for in_shards in (False, True):
-                run = out / "loading" / f"{name}-qlora-{gpus}-{'shards' if in_shards else 'whole'}"
-                config = cell_config(run, folder, "qlora", "fsdp", gpus, args)
-                cfg = yaml.safe_load(config.read_text())
-                cfg["fsdp"] = {"cpu_ram_efficient_loading": in_shards}
-                config.write_text(yaml.safe_dump(cfg))
-                result = train(config, gpus, args)
                 row = {
                     "model": name,
                     "layers": layers,
                     "gpus": gpus,
                     "loading": "shards" if in_shards else "whole",
                 }
+                if args.budget.spent():
+                    report.add("loading", {**row, "status": "skipped (budget)"})
+                    continue
+                run = out / "loading" / f"{name}-qlora-{gpus}-{row['loading']}"
+                config = cell_config(run, folder, "qlora", "fsdp", gpus, args)
+                cfg = yaml.safe_load(config.read_text())
+                cfg["fsdp"] = {"cpu_ram_efficient_loading": in_shards}
+                config.write_text(yaml.safe_dump(cfg))
+                result = train(config, gpus, args)
                 lines = loading_lines(result.stdout)
                 if lines:
                     row["held_mib_max_rank"] = round(max(h for h, _ in lines.values()) / 2**20, 1)
                     peaks = [p for _, p in lines.values() if p is not None]
                     row["load_peak_gib_max_rank"] = round(max(peaks) / 1024, 2) if peaks else None
                 if result.returncode != 0:
-                    row["status"] = "oom" if oom(result) else f"failed ({result.returncode})"
+                    row["status"] = status(result)
                     (run.parent / f"{run.name}.log").write_text(result.stdout + result.stderr)
                 else:
                     row["train_peak_gib"] = figures(run, gpus)["peak_gib"]
                     row["status"] = "ok"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    return rows
+                report.add("loading", row)
 
 
 def kill_tree(pid: int) -> None:
     import psutil
 
-    launcher = psutil.Process(pid)
+    try:
+        launcher = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
     for process in [*launcher.children(recursive=True), launcher]:
         try:
             process.send_signal(signal.SIGKILL)
@@ -287,13 +381,19 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def resume(args, models: dict, out: Path) -> list[dict]:
+def resume(args, models: dict, out: Path, report: Report) -> None:
     """FSDP on 2 GPUs: SIGKILL once checkpoint-2 exists, restart, compare with an uninterrupted run."""
+    if args.budget.spent(margin=60):
+        report.add("resume", {"gpus": 2, "status": "skipped (budget)"})
+        return
     folder = models["dense"][0]
     plain = out / "resume" / "plain"
     result = train(cell_config(plain, folder, "lora", "fsdp", 2, args, fp32=True, save_steps=2), 2, args)
     if result.returncode != 0:
-        return [{"status": f"uninterrupted run failed: {result.stderr[-300:]}"}]
+        report.add(
+            "resume", {"gpus": 2, "status": f"uninterrupted run {status(result)}: {result.stderr[-300:]}"}
+        )
+        return
     killed = out / "resume" / "killed"
     config = cell_config(killed, folder, "lora", "fsdp", 2, args, fp32=True, save_steps=2)
     args.port += 1
@@ -313,10 +413,28 @@ def resume(args, models: dict, out: Path) -> list[dict]:
         "resumed": "resuming from" in result.stdout,
         "steps": len(b),
         "max_abs_loss_diff": max(abs(x - y) for x, y in zip(a, b)) if len(a) == len(b) else None,
-        "status": "ok" if result.returncode == 0 else f"failed ({result.returncode})",
+        "status": "ok" if result.returncode == 0 else status(result),
     }
-    print(json.dumps(row), flush=True)
-    return [row]
+    report.add("resume", row)
+
+
+class Report:
+    """report.json, rewritten (atomically) after every cell, so a run cut short keeps what finished."""
+
+    def __init__(self, path: Path, args):
+        self.path = path
+        self.data: dict = {"args": {k: v for k, v in vars(args).items() if k != "budget"}}
+        self.write()
+
+    def add(self, section: str, row: dict) -> None:
+        self.data.setdefault(section, []).append(row)
+        print(json.dumps(row), flush=True)
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        os.replace(tmp, self.path)
 
 
 def table(rows: list[dict], columns: list[str]) -> str:
@@ -326,23 +444,34 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="/tmp/fsdp-bench")
     parser.add_argument(
         "--gpus", default=None, help="GPU counts, comma-separated (default: 1,2,4 up to those here)"
     )
     parser.add_argument("--only", default="memory,equality,resume")
+    parser.add_argument("--models", default="dense,glm_air", help="for every section that takes both")
     parser.add_argument("--methods", default="qlora,lora", help="for the memory section")
     parser.add_argument("--dense-layers", type=int, default=8)
-    parser.add_argument("--moe-layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6)
+    # one dense layer (GLM's first) and two MoE layers: the per-layer figure is the last (MoE) layer's
+    parser.add_argument("--moe-layers", type=int, default=3)
+    parser.add_argument(
+        "--steps", type=int, default=4, help="optimizer steps per cell; the first is not measured"
+    )
     parser.add_argument("--length", type=int, default=2048)
+    parser.add_argument(
+        "--budget", type=float, default=None, help="seconds: no cell starts after, one running stops"
+    )
     parser.add_argument(
         "--smoke", action="store_true", help="CPU processes (gloo), tiny shapes: the script runs"
     )
     parser.add_argument("--port", type=int, default=29700)
-    args = parser.parse_args()
+    parser.add_argument("--build-weights", nargs=2, metavar=("FOLDER", "DTYPE"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.build_weights:
+        build_weights(*args.build_weights)
+        return 0
     if args.smoke:
         args.steps, args.length, args.methods = min(args.steps, 4), 64, "lora"
         args.dense_layers, args.moe_layers = 2, 2
@@ -355,37 +484,45 @@ def main() -> int:
         args.gpus = [g for g in (1, 2, 4) if g <= here]
     args.methods = args.methods.split(",")
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out / "report.json", args)
+    args.budget = Budget(args.budget)
     models_dir = out / "models"
+    shapes = {
+        "dense": (DENSE_8B, "dense8b", args.dense_layers),
+        "glm_air": (GLM_AIR, "glm_air", args.moe_layers),
+    }
     models = {
-        "dense": (write_model(models_dir / "dense8b", DENSE_8B, args.dense_layers, args.smoke),
-                  args.dense_layers, DENSE_8B["full_layers"]),
-        "glm_air": (write_model(models_dir / "glm_air", GLM_AIR, args.moe_layers, args.smoke),
-                    args.moe_layers, GLM_AIR["full_layers"]),
-    }  # fmt: skip
-    report = {"args": {k: v for k, v in vars(args).items()}}
+        name: (write_model(models_dir / folder, shape, layers, args.smoke), layers, shape["full_layers"])
+        for name, (shape, folder, layers) in shapes.items()
+        if name in args.models.split(",")
+        or (name == "dense" and {"equality", "resume"} & set(args.only.split(",")))
+    }
     sections = args.only.split(",")
     if "memory" in sections:
-        report["memory"] = memory(args, models, out)
+        memory(args, {k: v for k, v in models.items() if k in args.models.split(",")}, out, report)
+        rows = report.data.get("memory", [])
         print("\nper-GPU peak memory and throughput (rank 0's peak allocated; tokens/s per GPU):")
-        cols = ["model", "layers", "method", "mode", "gpus", "peak_gib", "tokens_per_s_per_gpu"]
-        cols += sorted({k for r in report["memory"] for k in r if k.startswith("full_")}) + ["status"]
-        print(table(report["memory"], cols))
+        cols = ["model", "layers", "method", "mode", "gpus", "peak_gib", "params_mib_max_rank"]
+        cols += ["tokens_per_s_per_gpu"] + sorted({k for r in rows for k in r if k.startswith("full_")})
+        print(table(rows, cols + ["seconds", "status"]))
         print(
-            "full_*: the measured peak plus the left-out layers' weights (divided among the GPUs under FSDP)"
+            "full_*: the measured peak plus the left-out layers' weights (divided among the GPUs under FSDP); "
+            "ddp and fsdp rows run the reference path, ddp+fast the CUDA fast path"
         )
     if "equality" in sections:
-        report["equality"] = equality(args, models, out)
+        equality(args, models, out, report)
         print("\nloss equality, fp32 LoRA (dense shape), FSDP on N GPUs vs one GPU over the same rows:")
-        print(table(report["equality"], ["gpus", "steps", "max_abs_loss_diff", "status"]))
+        print(table(report.data.get("equality", []), ["gpus", "steps", "max_abs_loss_diff", "status"]))
     if "loading" in sections:
-        report["loading"] = loading(args, models, out)
+        loading(args, {k: v for k, v in models.items() if k in args.models.split(",")}, out, report)
         print(
             "\nQLoRA under FSDP loaded whole or in shards (largest rank; train peak: rank 0, steps after the first):"
         )
         cols = ["model", "layers", "gpus", "loading", "held_mib_max_rank", "load_peak_gib_max_rank"]
-        print(table(report["loading"], cols + ["train_peak_gib", "status"]))
+        print(table(report.data.get("loading", []), cols + ["train_peak_gib", "status"]))
     if "resume" in sections and 2 in args.gpus:
-        report["resume"] = resume(args, models, out)
+        resume(args, models, out, report)
         print("\nSIGKILL after checkpoint-2 on 2 GPUs (FSDP), restart, against the uninterrupted run:")
         cols = [
             "gpus",
@@ -396,14 +533,13 @@ def main() -> int:
             "max_abs_loss_diff",
             "status",
         ]
-        print(table(report["resume"], cols))
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(table(report.data.get("resume", []), cols))
     print(f"\nreport: {out / 'report.json'}")
     failed = [
         r
         for s in ("memory", "equality", "resume", "loading")
-        for r in report.get(s, [])
-        if r.get("status") not in ("ok", "oom")
+        for r in report.data.get(s, [])
+        if r.get("status") not in ("ok", "oom", "skipped (budget)")
     ]
     return 1 if failed else 0
 

@@ -122,6 +122,12 @@ def test_qlora_storage_is_the_compute_dtype_under_fsdp_only():
     )
     assert quant_storage(ddp) == torch.uint8
     assert quant_storage(sharded) == torch.float16
+    # bf16 mixed precision gathers every weight as bf16: fp32 storage would be converted, not passed through
+    mixed = load_config(
+        REPO / "training_config.yaml",
+        ["quantization.compute_dtype=fp32", "training.mixed_precision=bf16", "training.distributed=fsdp"],
+    )
+    assert quant_storage(mixed) == torch.bfloat16
 
 
 def test_packed_experts_become_frozen_parameters_that_dequantize_alike():
@@ -139,6 +145,53 @@ def test_packed_experts_become_frozen_parameters_that_dequantize_alike():
         assert torch.equal(as_floats[i], as_bytes[i])
         # NF4 on Gaussian weights: ~0.36 of the mean |w| (bitsandbytes, CPU); unrelated values would give ~1.4
         assert (as_floats[i] - weight[i]).abs().mean() < 0.5 * weight[i].abs().mean()
+
+
+def test_a_frozen_embedding_is_not_gathered_again_in_backward(tmp_path):
+    """One gloo process is enough for fully_shard: the frozen, untied embedding is marked to stay sharded in
+    backward (FSDP2 would gather it for nothing: it computes no gradient), and LoRA's gradients are those of
+    the unsharded model; a trainable or tied embedding is left alone."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded_lora(tied: bool):
+        torch.manual_seed(0)
+        base = tiny_causal_lm("llama")
+        if tied:
+            base.lm_head.weight = base.model.embed_tokens.weight
+        model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+        return model
+
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    reference = sharded_lora(False)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    expected = {n: p.grad.clone() for n, p in reference.named_parameters() if p.requires_grad}
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = sharded_lora(False)
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer)
+        fully_shard(model.get_input_embeddings())
+        fully_shard(model)
+        assert fsdp.after_prepare(model)
+        groups = model.get_input_embeddings()._get_fsdp_state()._fsdp_param_groups
+        assert [g.unshard_in_backward for g in groups] == [False]
+        model(input_ids=ids, labels=ids).loss.backward()
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                assert torch.allclose(param.grad.full_tensor(), expected[name], atol=1e-6), name
+
+        trainable = sharded_lora(False)
+        trainable.get_input_embeddings().weight.requires_grad_(True)
+        fully_shard(trainable.get_input_embeddings())
+        assert not fsdp.after_prepare(trainable)
+        tied = sharded_lora(True)  # one unit with the head, as accelerate groups tied weights
+        fully_shard([tied.get_input_embeddings(), tied.get_output_embeddings()])
+        assert not fsdp.after_prepare(tied)
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- sharded loading (QLoRA)
@@ -207,22 +260,37 @@ def test_sharded_loading_refuses_lora_on_fused_experts():
 # ---------------------------------------------------------------- planner and info
 
 
-def test_planner_divides_the_sharded_state_not_the_activations():
+def test_planner_divides_the_sharded_state_not_the_activations_nor_the_head():
     from trainer.tools.planner import fsdp_per_gpu_mb, sharded_state_mb
 
     model = tiny_causal_lm("llama")
     optimizer = torch.optim.AdamW(model.parameters())
     model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
     optimizer.step()
-    sharded, layer = sharded_state_mb(model, optimizer)
+    state = sharded_state_mb(model, optimizer)
     params_mb = sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    head_mb = model.lm_head.weight.numel() * 4 / 2**20
     # weights, gradients, Adam's two moments (fp32) and its step counters
-    assert sharded == pytest.approx(4 * params_mb, rel=1e-3)
-    assert 0 < layer < params_mb
+    assert state.sharded_mb == pytest.approx(4 * params_mb, rel=1e-3)
+    assert 0 < state.layer_mb < params_mb and state.head_mb == head_mb
     activations = 100.0
-    peak = activations + sharded
-    assert fsdp_per_gpu_mb(peak, sharded, layer, 1) == peak
-    assert fsdp_per_gpu_mb(peak, sharded, layer, 4) == pytest.approx(activations + sharded / 4 + 1.5 * layer)
+    peak = activations + state.sharded_mb
+    assert fsdp_per_gpu_mb(peak, state, 1) == peak
+    # the head stays gathered whole from the loss on (accelerate's tail unit): not divided
+    expected = activations + (state.sharded_mb - head_mb) / 4 + head_mb + 1.5 * state.layer_mb
+    assert fsdp_per_gpu_mb(peak, state, 4) == pytest.approx(expected)
+
+    # Full fine-tuning in bf16 under mixed precision: accelerate keeps FSDP's master weights in fp32, so the
+    # trainable parameters, their gradients and Adam's moments count twice their bf16 bytes.
+    model = model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    as_trained = sharded_state_mb(model, optimizer).sharded_mb
+    assert as_trained == pytest.approx(2 * params_mb, rel=1e-3)
+    assert sharded_state_mb(model, optimizer, master_fp32=True).sharded_mb == pytest.approx(
+        4 * params_mb, rel=1e-3
+    )
 
 
 def test_info_names_how_many_gpus_fsdp_needs():
@@ -419,6 +487,46 @@ def test_qlora_moe_under_fsdp_equals_one_process(tmp_path):
     assert sorted(adapter) == sorted(reference)
     for key, tensor in reference.items():
         assert torch.allclose(adapter[key], tensor, atol=1e-5), key
+
+
+def sharded_params(result) -> dict[int, tuple[int, dict]]:
+    """Each rank's ``fsdp sharded`` line: the parameter bytes it holds after prepare, by role and dtype."""
+    import re
+
+    found = re.findall(r"fsdp sharded: rank (\d+) holds (\d+) bytes .* of parameters (\{.*\})", result.stdout)
+    return {int(rank): (int(total), json.loads(parts)) for rank, total, parts in found}
+
+
+@pytest.mark.slow
+def test_bf16_qlora_moe_under_fsdp_keeps_frozen_weights_in_bf16_and_halves_them(tmp_path):
+    """bf16 mixed precision, as on GPUs: the frozen weights (embeddings, head, norms, the 4-bit storage and
+    the packed experts) stay bf16 under FSDP instead of PEFT's fp32 upcast for QLoRA, which doubled the
+    embedding and head shards and converted the packed experts' bytes as numbers (the step failed). Each of
+    two ranks holds about half of the weights one process holds, and trains the one-process losses."""
+    extra = {
+        "model": {"name_or_path": str(REPO / "configs" / "tiny-moe"), "dtype": "bf16"},
+        "training": {"method": "qlora", "distributed": "fsdp", "max_steps": 2, "save_steps": 100,
+                     "mixed_precision": "bf16"},
+        "quantization": {"compute_dtype": "bf16"},
+        "eval": {"interval": 100},
+    }  # fmt: skip
+    one_cfg, one = llama_config(tmp_path, "one", extra)
+    result = run_trainer("train", "--config", str(one_cfg))
+    assert result.returncode == 0, result.stderr[-3000:]
+    whole = held_bytes(result)[0]  # the model as one process holds it (params and buffers)
+    two_cfg, two = llama_config(tmp_path, "two", extra)
+    command = [*two_process_command(two_cfg)]
+    command[command.index("--mixed_precision") + 1] = "bf16"
+    sharded = subprocess.run(
+        command, cwd=REPO, env=two_process_env(), capture_output=True, text=True, timeout=900
+    )
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    ranks = sharded_params(sharded)
+    assert sorted(ranks) == [0, 1]
+    for total, parts in ranks.values():
+        assert set(parts["frozen"]) == {"bfloat16"}, parts
+        assert total < 0.6 * whole, (total, whole)
+    assert_same_losses(losses(two), losses(one), tol=0.05)
 
 
 @pytest.mark.slow

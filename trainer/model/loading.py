@@ -162,8 +162,12 @@ def quantization_config(cfg: Config, family_skip: tuple[str, ...] = ()):
 
 def quant_storage(cfg: Config) -> torch.dtype:
     """The dtype packed 4-bit weights are stored in: bytes, except under FSDP, which shards only floating
-    tensors and casts every weight of a layer alike: there the compute dtype (as Answer.AI's FSDP-QLoRA)."""
+    tensors and casts every weight of a layer alike: there the compute dtype (as Answer.AI's FSDP-QLoRA),
+    or bf16 under bf16 mixed precision, whose policy casts every weight it gathers to bf16 (packed bytes
+    stored as fp32 would be converted as numbers)."""
     if cfg.training.distributed == "fsdp":
+        if cfg.training.mixed_precision == "bf16":
+            return torch.bfloat16
         return DTYPES[cfg.quantization.compute_dtype]
     return torch.uint8
 
@@ -279,7 +283,10 @@ def check_lora_config(cfg: Config, family: Family, hf_config) -> None:
 
 def apply_peft(model, cfg: Config, family: Family, upcast_for_kbit: bool = True):
     """LoRA on ``model``. QLoRA's usual preparation upcasts every 16-bit parameter to fp32; the CUDA fast
-    path (``upcast_for_kbit=False``) keeps them 16-bit, as its fused kernels accumulate in fp32 anyway."""
+    path (``upcast_for_kbit=False``) keeps them 16-bit, as its fused kernels accumulate in fp32 anyway, and
+    so does FSDP: its mixed precision casts every weight back to bf16 when it gathers it, so an fp32 copy
+    of the embeddings and head would only double their shards, and the MoE experts' packed 4-bit bytes,
+    stored as bf16 parameters there, would be converted as if they were numbers."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if cfg.training.method == "qlora" and not upcast_for_kbit:
@@ -445,7 +452,9 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
         if cfg.training.method == "lora":
             model.enable_input_require_grads()
     if cfg.training.method in ("lora", "qlora"):
-        upcast = not keeps_16bit_under_qlora(family, hf_config, kernel_path, device, fast)
+        # Under FSDP the frozen weights keep the dtype they were loaded in (apply_peft says why).
+        sharded = cfg.training.distributed == "fsdp"
+        upcast = not (sharded or keeps_16bit_under_qlora(family, hf_config, kernel_path, device, fast))
         model = apply_peft(model, cfg, family, upcast_for_kbit=upcast)
     if shards is not None:
         shards.to_meta(model)  # true shapes, no bytes: fully_shard cuts them, the kept chunks fill them

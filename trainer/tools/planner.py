@@ -7,7 +7,7 @@ given sequence lengths; a candidate that runs out of memory, or peaks above
 Under FSDP (training.distributed: fsdp) across N GPUs the dry run still happens on one device, and the peak
 each GPU would see is predicted from it: the parameters, gradients and optimizer state are divided by N
 (each rank holds its shard), activations are not (each rank runs its own micro-batch), plus one decoder
-layer gathered whole at a time (two with prefetching).
+layer gathered whole at a time (two with prefetching) and the output head, gathered whole from the loss on.
 """
 
 from __future__ import annotations
@@ -126,24 +126,50 @@ def tensor_mb(tensors) -> float:
     return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t)) / 2**20
 
 
-def sharded_state_mb(model, optimizer) -> tuple[float, float]:
-    """(what FSDP shards: parameters, gradients and optimizer state; the largest wrapped layer's parameters)."""
+@dataclass
+class ShardedState:
+    """What one device's dry run says about FSDP's share of its memory (MB)."""
+
+    sharded_mb: float  # parameters, gradients and optimizer state: each rank holds 1/N of them
+    layer_mb: float  # the largest decoder layer's parameters, gathered whole while it runs
+    head_mb: float  # the output head's parameters: gathered whole from the loss through backward's start
+
+
+def sharded_state_mb(model, optimizer, master_fp32: bool = False) -> ShardedState:
+    """FSDP's share of a dry run's memory. ``master_fp32``: accelerate keeps FSDP's trainable parameters in
+    fp32 under mixed precision (and so their gradients and optimizer state), whatever dtype they trained
+    in on one device."""
     params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    state = [v for per_param in optimizer.state.values() for v in per_param.values()]
+    trainable = {id(p) for p in params if p.requires_grad}
+
+    def mb(tensor, owner) -> float:
+        size = tensor.element_size()
+        if master_fp32 and id(owner) in trainable and tensor.is_floating_point():
+            size = max(size, 4)
+        return tensor.numel() * size / 2**20
+
+    total = sum(mb(p, p) for p in params)
+    total += sum(mb(p.grad, p) for p in params if p.grad is not None)
+    total += sum(
+        mb(v, p) for p, per_param in optimizer.state.items() for v in per_param.values() if torch.is_tensor(v)
+    )
     layers = [
         m for m in model.modules() if type(m).__name__ in set(getattr(model, "_no_split_modules", ()) or ())
     ]
     largest = max((tensor_mb(m.parameters()) for m in layers), default=0.0)
-    return tensor_mb(params) + tensor_mb(grads) + tensor_mb(state), largest
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return ShardedState(total, largest, tensor_mb(head.parameters()) if head is not None else 0.0)
 
 
-def fsdp_per_gpu_mb(peak_mb: float, sharded_mb: float, layer_mb: float, gpus: int) -> float:
+def fsdp_per_gpu_mb(peak_mb: float, state: ShardedState, gpus: int) -> float:
     """One device's measured peak, predicted for each of ``gpus`` under FSDP: the sharded part divided by
-    ``gpus``, activations as measured, plus two gathered layers (the current one and the prefetched next)."""
+    ``gpus``, activations as measured, plus two gathered layers (the current one and the prefetched next).
+    The output head is not divided: accelerate keeps it gathered from the loss (where the peak usually is)
+    until backward starts (a 128k-vocabulary head of an 8B model: 1 GiB in bf16)."""
     if gpus <= 1:
         return peak_mb
-    return peak_mb - sharded_mb * (1 - 1 / gpus) + 2 * layer_mb * (1 - 1 / gpus)
+    spread = 1 - 1 / gpus
+    return peak_mb - (state.sharded_mb - state.head_mb) * spread + 2 * state.layer_mb * spread
 
 
 def plan(
@@ -175,12 +201,14 @@ def plan(
     effective = cfg.training.micro_batch_size * cfg.training.gradient_accumulation_steps
     candidates = candidate_shapes(effective, lengths)
     gpus = fsdp_gpus if cfg.training.distributed == "fsdp" else None
+    # accelerate's fsdp2_prepare_model: fp32 master weights under mixed precision, except for 4-bit models
+    master_fp32 = cfg.training.mixed_precision != "no" and cfg.training.method != "qlora"
     for candidate in candidates:
         measure(model, optimizer, candidate, steps, accelerator, vocab, kernels.loss, faults)
         peak = candidate.peak_mb
         if candidate.status == "ok" and gpus:
-            sharded, layer = sharded_state_mb(accelerator.unwrap_model(model), optimizer)
-            candidate.per_gpu_mb = round(fsdp_per_gpu_mb(peak, sharded, layer, gpus), 1)
+            state = sharded_state_mb(accelerator.unwrap_model(model), optimizer, master_fp32)
+            candidate.per_gpu_mb = round(fsdp_per_gpu_mb(peak, state, gpus), 1)
             candidate.fsdp_gpus = gpus
             peak = candidate.per_gpu_mb
         if candidate.status == "ok" and peak > limit:

@@ -18,6 +18,7 @@ CPU tests run this very code.
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -62,7 +63,9 @@ def make_plugin(cfg: Config):
 def enable_on_cpu(accelerator, plugin) -> None:
     """Several CPU processes: accelerate leaves them MULTI_CPU (DDP); FSDP2 runs on gloo too, so say FSDP.
 
-    Both shared states carry the type: AcceleratorState copies PartialState's whenever it is built again."""
+    Both shared states carry the type: AcceleratorState copies PartialState's whenever it is built again.
+    The plugin also gets the mixed-precision policy accelerate gives it on GPUs (gather in bf16, reduce in
+    bf16), so CPU runs shard and cast as GPU runs do."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
@@ -70,6 +73,8 @@ def enable_on_cpu(accelerator, plugin) -> None:
         return
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     accelerator.state.distributed_type = DistributedType.FSDP
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
     accelerator.state.fsdp_plugin = plugin
 
 
@@ -111,6 +116,49 @@ def prepare_wrapping(accelerator, model: torch.nn.Module, cfg: Config) -> list[s
     names = wrap_classes(model, cfg.fsdp.wrap_classes)
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = names
     return names
+
+
+def after_prepare(model: torch.nn.Module) -> bool:
+    """What accelerate's wrapping leaves to us: a frozen input embedding is not gathered again in backward.
+
+    FSDP2 gathers a unit in backward when a gradient reaches its output, and prefetches the unit that ran
+    before the current one; both happen to the embedding (transformers 5 makes its output require grad
+    under checkpointing), though a frozen embedding computes nothing there: with a 128k vocabulary that is
+    1 GiB gathered per micro-batch for nothing. Returns whether it applied."""
+    from torch.distributed.fsdp import FSDPModule
+
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if not isinstance(embedding, FSDPModule) or any(p.requires_grad for p in embedding.parameters()):
+        return False
+    if head is not None and getattr(head, "weight", None) is embedding.weight:
+        return False  # tied: one unit with the head, which backward needs
+    embedding.set_unshard_in_backward(False)
+    return True
+
+
+def parameter_bytes(model: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """This rank's parameters by role and dtype ({"frozen": {"bfloat16": n}, "trainable": {...}}): its
+    shards under FSDP, each storage counted once."""
+    from torch.distributed.tensor import DTensor
+
+    found: dict[str, dict[str, int]] = {"frozen": {}, "trainable": {}}
+    for param in model.parameters():  # parameters() yields a tied parameter once
+        local = param.to_local() if isinstance(param, DTensor) else param
+        role = found["trainable" if param.requires_grad else "frozen"]
+        dtype = str(local.dtype).removeprefix("torch.")
+        role[dtype] = role.get(dtype, 0) + local.numel() * local.element_size()
+    return found
+
+
+def sharded_line(accelerator, model: torch.nn.Module) -> str:
+    """What this rank holds once sharded, by role and dtype (frozen weights keep their storage dtype)."""
+    found = parameter_bytes(model)
+    total = sum(n for role in found.values() for n in role.values())
+    return (
+        f"fsdp sharded: rank {accelerator.process_index} holds {total} bytes ({total / 2**20:.1f} MiB) "
+        f"of parameters {json.dumps(found, sort_keys=True)}"
+    )
 
 
 def held_bytes(model: torch.nn.Module, shards=None) -> int:

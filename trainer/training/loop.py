@@ -103,6 +103,8 @@ def setup_optimizer(model, cfg: Config, accelerator, total_steps: int):
     if fsdp.active(accelerator):
         fsdp.prepare_wrapping(accelerator, model, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if fsdp.active(accelerator):
+        fsdp.after_prepare(model)
     accelerator.register_for_checkpointing(scheduler)
     skip_model_state(accelerator)
     return model, optimizer, scheduler
@@ -154,6 +156,8 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
     )
     if loaded.shards is not None:  # QLoRA loaded in shards: each rank fills its own now that FSDP cut them
         fsdp.fill_loaded_shards(accelerator, loaded.shards, cfg.fsdp.cpu_offload)
+    if fsdp.active(accelerator):
+        print(fsdp.sharded_line(accelerator, model), flush=True)
     counter = ExpertCounter(accelerator.unwrap_model(model))
     loss = faults.loss(kernels.loss)
     aux_coef = float(getattr(accelerator.unwrap_model(model).config, "router_aux_loss_coef", 0.0) or 0.0)

@@ -1,0 +1,62 @@
+"""bench/bench_fsdp_gpu.py (a GPU benchmark) keeps working: each cell lands in report.json as it finishes, a
+budget skips what would not fit a GPU call, and on CPU processes (--smoke) the memory section runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO, trainer_env
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_fsdp_gpu", REPO / "bench" / "bench_fsdp_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_fsdp_gpu"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cells_land_in_the_report_one_by_one_and_the_budget_skips_the_rest(tmp_path, monkeypatch):
+    bench = load_bench()
+    args = bench.argparse.Namespace(gpus=[1, 2], methods=["qlora"], smoke=False, steps=4, length=64, port=0)
+    models = {"dense": (tmp_path, 8, 32), "glm_air": (tmp_path, 3, 46)}
+    assert bench.memory_cells(args, models) == [
+        ("dense", "qlora", "ddp", 1), ("dense", "qlora", "fsdp", 2), ("dense", "qlora", "ddp", 2),
+        ("glm_air", "qlora", "ddp", 1), ("glm_air", "qlora", "fsdp", 2), ("glm_air", "qlora", "ddp", 2),
+        ("dense", "qlora", "ddp+fast", 1), ("glm_air", "qlora", "ddp+fast", 1),
+    ]  # fmt: skip
+
+    report = bench.Report(tmp_path / "report.json", args)
+    seen = []
+
+    def fake_train(config, gpus, args):
+        seen.append(json.loads((tmp_path / "report.json").read_text()).get("memory", []))
+        args.budget.seconds = 1e-9 if len(seen) == 2 else args.budget.seconds  # the budget runs out
+        return subprocess.CompletedProcess([], 1, "", "boom")
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(bench, "layer_params", lambda folder: 1000)
+    args.budget = bench.Budget(3600)
+    bench.memory(args, models, tmp_path / "out", report)
+    assert [len(rows) for rows in seen] == [0, 1]  # the first cell was in the file before the second started
+    rows = json.loads((tmp_path / "report.json").read_text())["memory"]
+    assert [r["status"] for r in rows] == ["failed (1)"] * 2 + ["skipped (budget)"] * 6
+    assert rows[1]["mode"] == "fsdp" and rows[1]["gpus"] == 2
+
+
+@pytest.mark.slow
+def test_smoke_runs_ddp_and_fsdp_on_two_cpu_processes(tmp_path):
+    out = tmp_path / "bench"
+    command = [sys.executable, "bench/bench_fsdp_gpu.py", "--smoke", "--out", str(out), "--only", "memory",
+               "--models", "dense", "--gpus", "2"]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = json.loads((out / "report.json").read_text())["memory"]
+    assert [(r["mode"], r["gpus"], r["status"]) for r in rows] == [("fsdp", 2, "ok"), ("ddp", 2, "ok")]
+    assert rows[0]["params_mib_max_rank"] > 0 and rows[0]["tokens_per_s_per_gpu"] > 0
+    assert (out / "models" / "dense8b" / "model.safetensors").is_file()  # built once, loaded by every cell
