@@ -187,6 +187,7 @@ def summarise_run(run: Path, warmup: int) -> dict:
         "unquantized_expert_bytes": report.get("unquantized_expert_bytes"),
         "expert_records": len(experts),
         "fast_path": (report.get("fast_path") or {}).get("enabled"),
+        "moe_experts_grouped": (report.get("fast_path") or {}).get("moe_experts_grouped"),
         "losses": [r["loss"] for r in records],
     }
 
@@ -435,6 +436,9 @@ def quantization_note(cell: dict) -> str | None:
         for impl, r in (("ours", cell.get("ours") or {}), ("hf", hf))
         if r.get("quantized_params") is not None and r.get("total_params")
     ]
+    grouped = (cell.get("ours") or {}).get("moe_experts_grouped")
+    if grouped is not None:
+        shares.append(f"ours: {grouped} experts modules on grouped GEMMs")
     return f"NOTE {cell['shape']} {cell['setting']}: " + "; ".join(shares + [f"hf: {hf.get('note', '')}"])
 
 

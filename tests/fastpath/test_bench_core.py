@@ -167,6 +167,8 @@ def test_glm_row_runs_trainer_peft_on_the_attention_projections_and_prints_the_r
     assert bench.quantization_note(cell) == (
         "NOTE glm qlora+gc: ours 539M of 606M params in 4-bit; hf 36M of 606M params in 4-bit; hf: " + note
     )
+    cell["ours"]["moe_experts_grouped"] = 5  # the fast path's grouped 4-bit experts, from the model report
+    assert "; ours: 5 experts modules on grouped GEMMs; hf: " in bench.quantization_note(cell)
 
 
 def test_resumed_losses_compare_over_the_steps_both_runs_logged():
