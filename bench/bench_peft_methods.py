@@ -10,7 +10,7 @@ records (the task's own prompt and label word) for training.
 
     python bench/bench_peft_methods.py --out $OUT/peft --steps 300            # ~50M Mamba-2, bf16, GPU
     python bench/bench_peft_methods.py --out $OUT/peft --model /models/mamba2-130m --steps 300
-    python bench/bench_peft_methods.py --out /tmp/peft --smoke                  # tiny, a few steps, CPU ok
+    python bench/bench_peft_methods.py --out /tmp/peft --smoke                  # tiny, 40 steps, CPU ok
 
 Writes ``<out>/peft_methods.json`` and prints a markdown table for bench/RESULTS.md.
 """
@@ -67,6 +67,10 @@ FILLER = [
     "ending",
     "music",
 ]
+# Run sizes: the GPU comparison, and --smoke (the tiny Mamba-2 on a CPU: long enough that every answer is a
+# label word the evaluation reads; its accuracy stays near chance, the tiny random-init model needs more).
+FULL = {"steps": 300, "batch": 32, "lr": 1e-3, "train_rows": 8000, "dev": 400}
+SMOKE = {"steps": 40, "batch": 8, "lr": 3e-3, "train_rows": 320, "dev": 32}
 METHODS = {
     "lora": {},
     "sdlora": {"method": "sdlora", "sdlora_stage_one_steps": 20},
@@ -82,7 +86,8 @@ def sentence(rng: random.Random, label: int) -> str:
 
 
 def write_task(root: Path, train_rows: int, dev_rows: int, seed: int) -> tuple[Path, Path]:
-    """SST-2/{train,dev}.tsv under ``root``/glue, and the training rows as instruction records."""
+    """SST-2/{train,dev}.tsv under ``root``/glue, and the training rows as instruction records (the task's
+    own prompt and label word, so training teaches exactly what the evaluation asks)."""
     from trainer.tasks.glue import GlueTask
 
     rng = random.Random(seed)
@@ -110,7 +115,33 @@ def write_model(root: Path, smoke: bool) -> Path:
     return folder
 
 
-def run_config(args, method: str, model: Path, random_init: bool, glue: Path, train: Path) -> Path:
+def lengths(model: Path, glue: Path, train: Path) -> dict:
+    """Token counts that size the runs, with the model's own tokenizer: ``max_length`` holds the longest
+    training record whole (bos + prompt + label word + eos), rounded up to 8; ``max_new_tokens`` holds the
+    longest label word plus eos.
+
+    Why: a record longer than ``max_length`` is split into windows (packing off), and the window that holds
+    the label word then no longer holds the sentence, so no run can learn the task (the loss floors at
+    ln 2 over the label's tokens); and an answer cut before its label word ends never names a label, so
+    every evaluation reads 0 with all answers ``unparsed``. Both happened at 64 and 3 tokens."""
+    from transformers import AutoTokenizer
+
+    from trainer.config import DataConfig
+    from trainer.data.dataset import tokenize_record
+    from trainer.tasks.glue import GlueTask
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    records = [json.loads(line) for line in train.read_text().splitlines()]
+    data = DataConfig()  # the kit's own encoding: bos + prompt + response + eos
+    longest = max(len(tokenize_record(r, tokenizer, data, "instruction", str(train))[0]) for r in records)
+    words = GlueTask("sst2", glue).spec.label_words
+    answer = max(len(tokenizer(" " + w, add_special_tokens=False)["input_ids"]) for w in words) + 1
+    return {"max_length": -(-longest // 8) * 8, "max_new_tokens": answer, "longest_record": longest}
+
+
+def run_config(
+    args, method: str, model: Path, random_init: bool, glue: Path, train: Path, sizes: dict
+) -> Path:
     run = args.out / method
     cfg = {
         "paths": {"output_dir": str(run), "train_file": str(train)},
@@ -126,14 +157,14 @@ def run_config(args, method: str, model: Path, random_init: bool, glue: Path, tr
         "optimization": {"learning_rate": args.lr, "lr_scheduler": "cosine", "warmup_ratio": 0.05},
         "lora": {"r": args.r, "alpha": 2 * args.r, "dropout": 0.0, "target_modules": ["in_proj", "lm_head"]}
         | METHODS[method],
-        "data": {"max_length": 64, "val_fraction": 0.02, "packing": False},
+        "data": {"max_length": sizes["max_length"], "val_fraction": 0.02, "packing": False},
         "eval": {
             "interval": max(1, args.steps // 5),
             "batch_size": 32,
             "task": "sst2",
             "task_data_dir": str(glue),
             "task_max_examples": args.dev,
-            "max_new_tokens": 3,
+            "max_new_tokens": sizes["max_new_tokens"],
             "generation_batch_size": 64,
         },
         "logging": {"progress_bar": False, "telemetry_interval": 5},
@@ -203,26 +234,37 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--model", help="a local Mamba-2 folder (pretrained); default: a random-init ~50M one"
     )
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--steps", type=int, help=f"default {FULL['steps']} ({SMOKE['steps']} with --smoke)")
+    parser.add_argument("--batch", type=int, help=f"default {FULL['batch']} ({SMOKE['batch']} with --smoke)")
+    parser.add_argument("--lr", type=float, help=f"default {FULL['lr']} ({SMOKE['lr']} with --smoke)")
     parser.add_argument("--r", type=int, default=8)
-    parser.add_argument("--train-rows", type=int, default=8000)
-    parser.add_argument("--dev", type=int, default=400)
+    parser.add_argument(
+        "--train-rows", type=int, help=f"default {FULL['train_rows']} ({SMOKE['train_rows']} with --smoke)"
+    )
+    parser.add_argument("--dev", type=int, help=f"default {FULL['dev']} ({SMOKE['dev']} with --smoke)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument(
-        "--smoke", action="store_true", help="tiny model, 4 steps: checks the script on a CPU"
+        "--smoke",
+        action="store_true",
+        help="the tiny Mamba-2 in fp32, 40 steps: checks the script end to end on a CPU",
     )
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.steps, args.batch, args.train_rows, args.dev = 4, 4, 64, 8
+    for key, value in (SMOKE if args.smoke else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     args.out.mkdir(parents=True, exist_ok=True)
     glue, train = write_task(args.out, args.train_rows, args.dev, args.seed)
     model = Path(args.model) if args.model else write_model(args.out, args.smoke)
+    sizes = lengths(model, glue, train)
+    print(
+        f"records up to {sizes['longest_record']} tokens: max_length {sizes['max_length']}, "
+        f"max_new_tokens {sizes['max_new_tokens']}",
+        flush=True,
+    )
     results = {}
     for method in args.methods:
-        config = run_config(args, method, model, args.model is None, glue, train)
+        config = run_config(args, method, model, args.model is None, glue, train, sizes)
         done = subprocess.run([sys.executable, "-m", "trainer", "train", "--config", str(config)], cwd=REPO)
         if done.returncode != 0:
             results[method] = {"error": f"exit {done.returncode}"}

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO
 
 
@@ -91,10 +93,55 @@ def test_peft_bench_task_is_a_learnable_sst2_and_configs_differ_only_in_the_meth
     assert len(records) == 20 and all(task.parse(r["response"]) in (0, 1) for r in records)
     args = bench.argparse.Namespace(out=tmp_path, steps=10, batch=4, lr=1e-3, r=4, dev=6, seed=1, smoke=False)
     model = bench.write_model(tmp_path, smoke=True)
-    configs = {m: load_config(bench.run_config(args, m, model, True, glue, train)) for m in bench.METHODS}
+    sizes = bench.lengths(model, glue, train)
+    configs = {
+        m: load_config(bench.run_config(args, m, model, True, glue, train, sizes)) for m in bench.METHODS
+    }
     assert (configs["sdlora"].lora.method, configs["lora_ga"].lora.init) == ("sdlora", "lora_ga")
     plain = {m: {**c.to_dict(), "paths": None, "lora": None} for m, c in configs.items()}
     assert plain["lora"] == plain["sdlora"] == plain["lora_ga"]
+
+
+def test_peft_bench_rows_hold_whole_records_and_answers_hold_whole_label_words(tmp_path):
+    """The GPU run read sst2 accuracy 0.000 for every method: rows of 64 tokens split each record (the label
+    word's window lost the sentence) and 3 new tokens cut ' positive' (6 tokens) short. Both come from the
+    tokenizer now: the kit's data pipeline splits no record, and every label word fits."""
+    from trainer.config import load_config
+    from trainer.data.dataset import DataReport, build_sequences, tokenize_record
+    from trainer.model.loading import load_tokenizer
+    from trainer.tasks.glue import GlueTask
+    from trainer.training.task_eval import answer_room
+
+    bench = load_peft_bench()
+    glue, train = bench.write_task(tmp_path, 200, 6, seed=3)
+    model = bench.write_model(tmp_path, smoke=True)
+    sizes = bench.lengths(model, glue, train)
+    args = bench.argparse.Namespace(out=tmp_path, steps=2, batch=2, lr=1e-3, r=4, dev=6, seed=1, smoke=True)
+    cfg = load_config(bench.run_config(args, "lora", model, True, glue, train, sizes))
+    assert cfg.data.max_length == sizes["max_length"] and cfg.eval.max_new_tokens == sizes["max_new_tokens"]
+    tokenizer = load_tokenizer(cfg)
+    records = [json.loads(line) for line in train.read_text().splitlines()]
+    tokenized = [tokenize_record(r, tokenizer, cfg.data, "instruction", "x") for r in records]
+    assert 64 < max(len(ids) for ids, _ in tokenized) <= cfg.data.max_length  # 64 split almost every record
+    report = DataReport()
+    rows = build_sequences(tokenized, cfg.data, 0, report, packing=False)
+    assert len(rows) == len(records) and report.truncation_would_lose_tokens == 0
+    assert answer_room(GlueTask("sst2", glue), tokenizer, cfg.eval.max_new_tokens) is None
+    assert answer_room(GlueTask("sst2", glue), tokenizer, 3) is not None  # what the GPU run had
+
+
+@pytest.mark.slow
+def test_peft_bench_smoke_generates_label_words_the_evaluation_reads(tmp_path, capsys):
+    """A short CPU run of the bench end to end (LoRA only): the evaluation reads every answer (none
+    unparsed), so the table's accuracy is a real number, not the 0.000 of answers cut short."""
+    bench = load_peft_bench()
+    args = ["--out", str(tmp_path), "--smoke", "--methods", "lora", "--steps", "20", "--train-rows", "160"]
+    assert bench.main([*args, "--dev", "16"]) == 0
+    result = json.loads((tmp_path / "peft_methods.json").read_text())["lora"]
+    last = result["eval"][-1]
+    assert last["n"] == 16 and last["unparsed"] == 0 and result["final_accuracy"] > 0, result["eval"]
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| lora |"))
+    assert f"| {result['final_accuracy']:.3f} |" in row and "| 0.000 |" not in row
 
 
 def test_gla_sensitivity_measures_nothing_without_an_error_and_something_with_one(tmp_path):

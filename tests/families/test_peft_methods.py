@@ -63,16 +63,53 @@ def test_lora_ga_leaves_the_step_zero_output_unchanged(tmp_path, model):
     peft = loaded.model
     batches = [random_batch(packing=PACKING[model], seed=s) for s in range(2)]
     base = logits(peft, batches[0])  # PEFT's default init: B = 0, the base model's output
+    weights = {n: p.detach().clone() for n, p in peft.named_parameters() if not p.requires_grad}
     tensors, event = lora_ga.initialise(peft, cfg, batches, loss_fn, CpuAccelerator())
     after = logits(peft, batches[0])
     assert torch.allclose(after, base, atol=1e-4, rtol=1e-5), (after - base).abs().max()
-    assert event["step0_abs_diff"] < 1e-5 and event["offset"] == {"weight": event["modules"]}
-    # not vacuous: the adapters are far from zero, and so is what they add
+    assert event["step0_abs_diff"] < 1e-5 and event["step0_ok"]
+    assert event["offset"] == {"side_term": event["modules"]}
+    # the offset is the adapter's own frozen copy: no base weight changed
+    assert all(torch.equal(p, weights[n]) for n, p in peft.named_parameters() if not p.requires_grad)
+    with peft.disable_adapter():  # the base model itself
+        assert torch.equal(logits(peft, batches[0]), base)
+    # not vacuous: the adapters are far from zero, and so is what they add without the offset
     layers = lora_ga.lora_layers(peft)
     assert len(layers) == event["modules"] and all(tensors[f"{n}.B0"].abs().sum() > 0 for n in layers)
-    with peft.disable_adapter():
-        without = logits(peft, batches[0])
-    assert (without - base).abs().max() > 1e-2
+    for layer in layers.values():
+        layer.lora_ga_B0.zero_()
+    assert (logits(peft, batches[0]) - base).abs().max() > 1e-2
+
+
+class Bf16CpuAccelerator(CpuAccelerator):
+    """The run's bf16 autocast, on a CPU."""
+
+    @staticmethod
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("model", ["tiny-mamba2", "tiny-llama"])
+def test_lora_ga_step_zero_check_holds_in_bf16(tmp_path, model):
+    """bf16 weights under bf16 autocast, as on a GPU: s B0 A0 is about as large as W, so an offset written
+    into the bf16 weight (rounded) and a bf16 adapter output added to the base's (rounded again) moved the
+    step-0 loss by ~1e-3 of itself here (2e-2 on an H100). The offset must cancel the adapter exactly."""
+    extra = {"lora": {"init": "lora_ga", "r": 8, "alpha": 16, "dropout": 0.0}, "model": {"dtype": "bf16"}}
+    cfg = load_config(family_config(tmp_path, model, TARGETS[model], extra))
+    from trainer.model.loading import load_for_training
+
+    peft = load_for_training(cfg, torch.device("cpu")).model
+    assert peft.get_base_model().get_output_embeddings().base_layer.weight.dtype == torch.bfloat16
+    batches = [random_batch(packing=PACKING[model], seed=s, width=48) for s in range(2)]
+    acc = Bf16CpuAccelerator()
+    with acc.autocast():
+        base = logits(peft, batches[0])
+    _, event = lora_ga.initialise(peft, cfg, batches, loss_fn, acc)
+    with acc.autocast():
+        after = logits(peft, batches[0])
+    assert event["step0_ok"] and event["step0_abs_diff"] <= event["step0_tolerance"], event
+    assert event["step0_tolerance"] == pytest.approx(1e-4 * event["step0_loss_base"])
+    assert (after - base).abs().max() <= 1e-3 * base.abs().max(), (after - base).abs().max()
 
 
 def full_gradients(peft, layers, batch) -> dict[str, torch.Tensor]:

@@ -131,3 +131,35 @@ def test_evaluate_verb_passes_the_sql_timeout_and_writes_nan_as_null(write_confi
 
     written = json.loads((checkpoint / "eval_results.json").read_text(), parse_constant=refuse)
     assert written["eval_loss"] is None and written["nonfinite"] == ["eval_loss"]
+
+
+def test_answer_room_warns_when_max_new_tokens_cannot_hold_a_label_word(write_config, tmp_path, capsys):
+    """The peft bench evaluated sst2 with max_new_tokens 3 on a 1024-token vocabulary, where ' positive' is 6
+    tokens: every answer was unparsed and accuracy read 0.000 for every method. The kit now says so."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers import REPO
+    from trainer.tasks.glue import GlueTask
+    from trainer.training.task_eval import answer_room, evaluate_generation
+
+    tokenizer = AutoTokenizer.from_pretrained(str(REPO / "configs" / "tiny-mamba2"))
+    task = GlueTask("sst2", write_sst2(tmp_path / "glue"))
+    assert len(tokenizer(" positive", add_special_tokens=False)["input_ids"]) == 6
+    problem = answer_room(task, tokenizer, 3)
+    assert "eval.max_new_tokens=3 cannot hold the sst2 answer 'positive' (6 tokens" in problem
+    assert "at least 7" in problem
+    assert answer_room(task, tokenizer, 7) is None
+    assert answer_room(GlueTask("stsb"), tokenizer, 1) is None  # a number: no fixed word to hold
+
+    class OneProcess:  # no model needed: the warning comes before generation, once per task
+        num_processes, process_index, is_main_process, distributed_type = 1, 0, True, "NO"
+
+        @staticmethod
+        def unwrap_model(model):
+            raise RuntimeError("stop after the check")
+
+    cfg = load_config(write_config({"eval": {"max_new_tokens": 3}}))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="stop after the check"):
+            evaluate_generation(None, tokenizer, task, task.load("validation")[:2], cfg, OneProcess())
+    assert capsys.readouterr().err.count("WARNING: eval.max_new_tokens=3 cannot hold") == 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +103,14 @@ def prepare(loaded, cfg, data, pad_id: int, loss_fn, accelerator, output_dir: Pa
                 f"{event['seconds']:.1f}s; step-0 loss {event['step0_loss_base']:.6f} -> {event['step0_loss_lora_ga']:.6f}",
                 flush=True,
             )
+            if not event["step0_ok"]:
+                print(
+                    f"WARNING: lora-ga's step-0 check FAILED: the loss moved by {event['step0_abs_diff']:.3g}, more "
+                    f"than the tolerance {event['step0_tolerance']:.3g}; the adapters do not start from the base "
+                    "model's output (see docs/families.md, LoRA-GA)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             state.lora_ga = tensors
         accelerator.wait_for_everyone()
         if not state.lora_ga:

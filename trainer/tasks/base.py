@@ -41,6 +41,10 @@ class Task(ABC):
     def score(self, predictions: list[str], examples: list[dict]) -> dict[str, float]:
         """Task metrics for generated continuations, one per example, in order."""
 
+    def answer_words(self) -> tuple[str, ...]:
+        """The fixed words an answer must contain whole to be scored (GLUE's label words); none by default."""
+        return ()
+
     def record(self, example: dict) -> dict:
         """An instruction record (``prompt``/``completion``) for fine-tuning on this task."""
         return {"prompt": self.prompt(example), "completion": self.target(example)}

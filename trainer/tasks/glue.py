@@ -280,6 +280,9 @@ class GlueTask(Task):
             return " " + f"{float(example['label']):.2f}".rstrip("0").rstrip(".")
         return " " + self.spec.label_words[example["label"]]
 
+    def answer_words(self) -> tuple[str, ...]:
+        return self.spec.label_words
+
     def parse(self, text: str) -> int | float | None:
         """The label (or STS-B score) an answer names, None when it names none.
 

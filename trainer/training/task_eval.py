@@ -51,8 +51,33 @@ def generation_kwargs(cfg: Config, task) -> dict:
     }
 
 
+def answer_room(task, tokenizer, max_new_tokens: int) -> str | None:
+    """Why ``max_new_tokens`` cannot hold one of the task's answer words (a warning), or None when it can.
+
+    An answer is read by whole words: with fewer new tokens than a label word takes (``positive`` is 6
+    tokens for a 1024-token vocabulary), no answer can ever name that label, every prediction is
+    ``unparsed`` and the metric reads 0 however well the model learned. A word counts at its shortest
+    spelling (with or without a leading space)."""
+    needs = {}
+    for word in task.answer_words():
+        needs[word] = min(
+            len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in (word, " " + word)
+        )
+    short = {w: n for w, n in needs.items() if n > max_new_tokens}
+    if not short:
+        return None
+    word, n = max(short.items(), key=lambda item: item[1])
+    return (
+        f"eval.max_new_tokens={max_new_tokens} cannot hold the {task.name} answer '{word}' ({n} tokens with this "
+        f"tokenizer): no answer can name it, so {task.metric_for_best.name} will read as if the model never "
+        f"answered; set eval.max_new_tokens to at least {max(needs.values()) + 1} (the longest answer word + eos)"
+    )
+
+
 def evaluate_generation(model, tokenizer, task, examples: list[dict], cfg: Config, accelerator) -> dict:
     """Each rank generates for its share of the examples; predictions are gathered in order, then scored."""
+    import sys
+
     from accelerate.utils import gather_object
 
     from trainer.training import fsdp
@@ -61,6 +86,11 @@ def evaluate_generation(model, tokenizer, task, examples: list[dict], cfg: Confi
     world, rank = accelerator.num_processes, accelerator.process_index
     mine = list(range(rank, len(examples), world))
     kwargs = generation_kwargs(cfg, task)
+    if getattr(accelerator, "is_main_process", True) and not getattr(task, "_answer_room_checked", False):
+        task._answer_room_checked = True  # once per task: evaluations repeat through the run
+        problem = answer_room(task, tokenizer, kwargs["max_new_tokens"])
+        if problem:
+            print(f"WARNING: {problem}", file=sys.stderr, flush=True)
     run = mine
     if fsdp.active(accelerator) and examples:
         # Every forward gathers weights from all ranks: each rank runs as many batches (padded with repeats,
