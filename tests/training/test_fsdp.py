@@ -555,3 +555,73 @@ def test_full_fine_tune_under_fsdp_saves_sharded_state_and_a_consolidated_model(
     for name, param in model.state_dict().items():
         if name in reference:
             assert torch.allclose(param, reference[name], atol=1e-5), name
+
+
+def n_process_command(config, processes: int, accumulation: int) -> list[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+            "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no",
+            "-m", "trainer", "train", "--config", str(config),
+            "--set", f"training.gradient_accumulation_steps={accumulation}"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_resumes_on_other_process_counts(tmp_path):
+    """Killed after checkpoint-2 on two FSDP ranks, a run resumes on three (the optimizer shards resharded
+    as they load) and, from a copy, on one process without FSDP (the shards reassembled); with the rows per
+    step kept (accumulation scaled), both give the uninterrupted one-process losses."""
+    import shutil
+
+    rows = {"training": {"gradient_accumulation_steps": 6}}  # micro 2 x 6 = 12 rows per step
+    one_cfg, one = llama_config(tmp_path, "one", rows)
+    result = run_trainer("train", "--config", str(one_cfg))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    two_cfg, two = llama_config(tmp_path, "two", deep_merge(rows, {"training": {"distributed": "fsdp"}}))
+    proc = subprocess.Popen(
+        n_process_command(two_cfg, 2, 3), cwd=REPO, env=two_process_env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert wait_for(lambda: (two / "checkpoint-2" / "trainer_state.json").exists() or proc.poll() is not None)
+    kill_tree(proc)
+    assert not (two / "final-checkpoint-6").exists()
+    copy = tmp_path / "copy"
+    shutil.copytree(two, copy)
+
+    three = subprocess.run(
+        n_process_command(two_cfg, 3, 2), cwd=REPO, env=two_process_env(), capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert three.returncode == 0, three.stderr[-3000:]
+    assert "was saved by 2 processes and resumes on 3 (FSDP: the optimizer state is resharded" in three.stderr
+    assert_same_losses(losses(two), losses(one))
+    shards = two / "final-checkpoint-6" / "training_state" / "optimizer_0"
+    assert len(list(shards.glob("*.distcp"))) == 3
+
+    single = run_trainer("train", "--config", str(two_cfg), "--set", f"paths.output_dir={copy}",
+                         "--set", "training.distributed=ddp")  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "was saved by 2 processes and resumes on 1" in single.stderr
+    assert_same_losses(losses(copy), losses(one))
+
+
+def test_a_checkpoint_saved_without_fsdp_is_refused_under_fsdp(tmp_path, monkeypatch):
+    """The other direction has no sharded optimizer state to reshard: one line naming what to do, exit 2."""
+    from types import SimpleNamespace
+
+    from trainer.training import checkpointing
+    from trainer.training.checkpoint_files import CheckpointError
+
+    checkpoint = tmp_path / "checkpoint-4"
+    (checkpoint / "training_state").mkdir(parents=True)
+    (checkpoint / "training_state" / "optimizer.bin").write_bytes(b"")
+    monkeypatch.setattr(fsdp, "active", lambda accelerator: True)
+    accelerator = SimpleNamespace(num_processes=2, is_main_process=True)
+    resume_from = SimpleNamespace(path=checkpoint, state={"processes": 1, "step": 4})
+    with pytest.raises(
+        CheckpointError,
+        match="checkpoint-4 was saved without FSDP .* resume it with training.distributed: ddp",
+    ):
+        checkpointing.restore(resume_from, accelerator, model=None, state=None)

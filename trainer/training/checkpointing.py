@@ -93,17 +93,24 @@ def restore(resume_from, accelerator, model, state: LoopState, optimizer=None, s
     A saved OOM shape is kept when it still feeds the configured rows per step. Under FSDP the training state
     is sharded (trainer/training/fsdp.py) and the consolidated adapter is copied into the sharded model."""
     check_process_count(resume_from, accelerator)
+    state_dir = resume_from.path / ckpt.STATE_DIR
+    if fsdp.active(accelerator) and not fsdp.is_sharded_state(state_dir):
+        raise ckpt.CheckpointError(
+            f"{resume_from.path.name} was saved without FSDP (training.distributed: ddp): its optimizer state is "
+            "not sharded; resume it with training.distributed: ddp"
+        )
     if fsdp.active(accelerator):
         adapter = resume_from.path / "adapter_model.safetensors"
-        fsdp.load_training_state(
-            accelerator, model, optimizer, scheduler, resume_from.path / ckpt.STATE_DIR, not adapter.is_file()
-        )
+        fsdp.load_training_state(accelerator, model, optimizer, scheduler, state_dir, not adapter.is_file())
         if adapter.is_file():
             from safetensors.torch import load_file
 
             fsdp.load_adapter(model, load_file(str(adapter)))
     else:
-        accelerator.load_state(str(resume_from.path / ckpt.STATE_DIR))
+        if fsdp.is_sharded_state(state_dir):  # written by FSDP, resumed on one process or under DDP
+            fsdp.load_sharded_state_unsharded(accelerator, model, optimizer, scheduler, state_dir)
+        else:
+            accelerator.load_state(str(state_dir))
         load_checkpoint_weights(model, resume_from.path, accelerator)
     if optimizer is not None:
         repage_state(optimizer)
@@ -117,22 +124,22 @@ def restore(resume_from, accelerator, model, state: LoopState, optimizer=None, s
 
 
 def check_process_count(resume_from, accelerator) -> None:
-    """A checkpoint resumes exactly on the number of processes that wrote it (per-rank RNG and, under FSDP,
-    optimizer shards). Under FSDP another count is refused; under DDP the run goes on with one warning: the
-    rows per step change, and the ranks that are gone take their RNG states with them."""
+    """A checkpoint resumes exactly on the number of processes that wrote it (per-rank RNG states). On
+    another count the run goes on with one warning: rows per step follow the new count unless
+    gradient_accumulation_steps is changed to match, and the ranks that are gone take their RNG states with
+    them. Under FSDP the optimizer shards are resharded as they load (torch.distributed.checkpoint)."""
     saved = resume_from.state.get("processes")
     now = accelerator.num_processes
     if saved is None or saved == now:
         return
-    if fsdp.active(accelerator):
-        raise ckpt.CheckpointError(
-            f"{resume_from.path.name} was saved by {saved} FSDP processes and this run has {now}: its "
-            f"optimizer shards are per rank; resume with --num_processes {saved}"
-        )
     if accelerator.is_main_process:
+        sharded = (
+            " (FSDP: the optimizer state is resharded onto the new count)" if fsdp.active(accelerator) else ""
+        )
         print(
-            f"WARNING: {resume_from.path.name} was saved by {saved} processes and resumes on {now}: the run goes "
-            "on, but rows per step and random streams differ from an uninterrupted run",
+            f"WARNING: {resume_from.path.name} was saved by {saved} processes and resumes on {now}{sharded}: the "
+            "run goes on, but random streams differ from an uninterrupted run, and rows per step do too unless "
+            "training.gradient_accumulation_steps was scaled to keep micro-batch x accumulation x processes",
             file=sys.stderr,
             flush=True,
         )

@@ -311,3 +311,25 @@ def load_training_state(accelerator, model, optimizer, scheduler, directory: Pat
         load_fsdp_model(plugin, accelerator, model, str(directory))
     load_fsdp_optimizer(plugin, accelerator, optimizer, model, str(directory))
     load_accelerator_state(str(directory), [], [], [scheduler], [], accelerator.process_index)
+
+
+def is_sharded_state(directory: Path) -> bool:
+    """Whether a checkpoint's training state was written by FSDP (a sharded optimizer directory)."""
+    return (directory / "optimizer_0").is_dir()
+
+
+def load_sharded_state_unsharded(accelerator, model, optimizer, scheduler, directory: Path) -> None:
+    """An FSDP checkpoint's training state into a run without FSDP (one process, or DDP): every process
+    reads the whole optimizer state from the shards (torch.distributed.checkpoint reassembles them, with or
+    without a process group), then the scheduler and its own RNG state as accelerate saved them. The weights
+    come from the consolidated adapter or model beside it, as for any checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from accelerate.checkpointing import load_accelerator_state
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    plain_model = accelerator.unwrap_model(model)
+    plain_optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper around it
+    state = {"optimizer": get_optimizer_state_dict(plain_model, plain_optimizer)}  # keys by parameter name
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory / "optimizer_0")))
+    set_optimizer_state_dict(plain_model, plain_optimizer, state["optimizer"])
+    load_accelerator_state(str(directory), [], [], [scheduler], [], accelerator.process_index)
