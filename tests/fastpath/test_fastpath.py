@@ -80,6 +80,37 @@ def test_fused_lora_model_matches_peft_in_fp32(write_config, method, monkeypatch
     assert not any("forward" in m.__dict__ for m in model.modules() if hasattr(m, "lora_A"))
 
 
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_lora_ga_layers_run_fused_as_one_rank_2r_pair(write_config, method, monkeypatch):
+    """LoRA-GA's layers (s [B, -B0] [A; A0] x, trainer/peft_methods/lora_ga.py), made LoRA-GA after the fast
+    path patched them as the loop does: the fused functions give PEFT's loss and gradients in fp32, and the
+    frozen initial factors get none."""
+    from trainer.fastpath import patch
+    from trainer.peft_methods.lora_ga import apply_offset
+
+    model = load(write_config, method)
+    patch_swiglu_mlps(model), patch_lora_linears(model), patch.patch_qkv_groups(model)
+    layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    for layer in layers:  # initial factors, then trained ones that differ: the term is not zero
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        apply_offset(layer, torch.randn_like(a) * 0.05, torch.randn_like(b) * 0.05)
+    assert all(patch.cached_parts(layer)[0].shape[0] == 2 * 8 for layer in layers)
+    calls = []
+    for name in ("lora_linear", "lora_group", "lora_mlp"):
+        fused = getattr(patch, name)
+        monkeypatch.setattr(patch, name, lambda *a, _f=fused, _n=name: calls.append(_n) or _f(*a))
+    ids = torch.randint(3, 1024, (2, 24))
+    loss, dx, grads = loss_and_grads(model, ids)
+    assert sorted(set(calls)) == ["lora_group", "lora_linear", "lora_mlp"]  # Q/K/V, O and the MLP blocks
+    unpatch(model)
+    ref_loss, ref_dx, ref_grads = loss_and_grads(model, ids)
+    assert abs(float(loss - ref_loss)) < 1e-5 and rel_err(dx, ref_dx) < 1e-5
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 7 * 2
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) < 1e-5, name
+    assert all(layer.lora_ga_A0.grad is None for layer in layers)
+
+
 def test_ineligible_modules_keep_pefts_forward(write_config):
     """DoRA (a LoRA variant) and dropout change the maths: those modules must stay on PEFT's path."""
     dora = load(write_config, "lora", variant="dora")

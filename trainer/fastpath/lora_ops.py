@@ -115,6 +115,8 @@ def cast(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Fresh tensors each time (never written in place), so a copy saved for a backward is never changed."""
     if param.dtype == dtype:
         return param
+    if not param.is_leaf:  # built at this call (LoRA-GA's concatenated pair): nothing to keep
+        return param.to(dtype)
     if _fresh(param, dtype):
         return param._kit_cast[3]
     if getattr(param, "_kit_cast", None) is None:

@@ -1,7 +1,7 @@
 """Route eligible PEFT LoRA modules through the fused autograd functions of ``lora_ops``.
 
 A module is eligible when it computes exactly ``base(x) + B(A(x)) * s``: one active adapter, plain LoRA
-(no DoRA or other variant), no dropout, no LoRA bias, not merged, and a base that is a plain ``nn.Linear``
+(no DoRA or other variant; LoRA-GA's ``s [B, -B0] [A; A0] x`` is one such pair of rank 2r), no dropout, no LoRA bias, not merged, and a base that is a plain ``nn.Linear``
 or a bitsandbytes ``Linear4bit``. Anything else keeps PEFT's own forward, module by module, so a model
 is never half-wrong: at worst it is half-fast. The patch is an instance attribute (``forward``), so
 ``state_dict``, ``save_pretrained`` and merging see the same modules as before.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import types
 
+import torch
 from torch import nn
 
 from trainer.fastpath.lora_ops import BaseWeight, lora_group, lora_linear, lora_mlp
@@ -41,7 +42,10 @@ def lora_parts(module) -> tuple | None:
     if len(active) != 1:
         return None
     name = active[0]
-    if name not in module.lora_A or name in getattr(module, "lora_variant", {}):
+    if name not in module.lora_A:
+        return None
+    variant = getattr(module, "lora_variant", {}).get(name)
+    if variant is not None and type(variant).__name__ != "LoraGaVariant":
         return None
     if getattr(module, "use_dora", {}).get(name, False):
         return None
@@ -66,7 +70,18 @@ def cached_parts(module) -> tuple | None:
     if cached is None or cached[0] != key:
         cached = (key, lora_parts(module))
         module.__dict__[PARTS] = cached
+    if cached[1] is not None and "lora_ga_A0" in module._buffers:
+        return _with_initial_factors(module, cached[1])
     return cached[1]
+
+
+def _with_initial_factors(module, parts: tuple) -> tuple:
+    """LoRA-GA's layer computes s [B, -B0] [A; A0] x (trainer/peft_methods/lora_ga.py): one LoRA pair of rank
+    2r, built at each call from the trained factors (gradients flow back through the concatenation) and the
+    frozen initial ones, so the fused functions run it as they run plain LoRA."""
+    a, b, base, scale = parts
+    a0, b0 = module.lora_ga_A0, module.lora_ga_B0
+    return torch.cat([a, a0.to(a.dtype)]), torch.cat([b, -b0.to(b.dtype)], dim=1), base, scale
 
 
 def _fast_linear_forward(self, x, *args, **kwargs):

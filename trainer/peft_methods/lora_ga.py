@@ -27,8 +27,8 @@ layer keeps its base weight and computes its adapter term as s [B, -B0] [A dropo
 ``LoraVariant``): the two rank-r halves of one rank-2r product, whose cancellation happens inside one
 GEMM's fp32 accumulator before anything is added to the base output. At step 0, B = B0 and A = A0, so
 the term is 0 up to fp32 rounding and the output is the base's in every precision; later it is the
-small s(BA - B0A0) x, rounded once. Cost: one extra rank-r product per layer; the CUDA fast path's
-fused LoRA kernels (trainer/fastpath) leave these layers to PEFT's forward.
+small s(BA - B0A0) x, rounded once. Cost: one extra rank-r product per layer; the CUDA fast path's fused
+LoRA kernels (trainer/fastpath/patch.py) run the same rank-2r pair.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def apply_offset(layer, A0: torch.Tensor, B0: torch.Tensor) -> str:
         "lora_ga_B0", B0.detach().to(device=b.device, dtype=b.dtype).clone(), persistent=False
     )
     layer.lora_variant[ADAPTER] = LoraGaVariant()
-    # the CUDA fast path caches whether a layer is plain LoRA; this one no longer is (patch.lora_parts)
+    # the CUDA fast path caches each layer's LoRA pair; this one now adds the initial factors (patch.cached_parts)
     layer.__dict__.pop("_kit_lora_parts", None)
     return OFFSET_KIND
 
