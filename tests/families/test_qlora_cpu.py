@@ -126,7 +126,7 @@ def test_quantized_experts_compute_with_dequantized_weights():
     import bitsandbytes.functional as bnbf
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.model.moe_quant import QuantizedExpertWeights, quantize_fused_experts
+    from trainer.moe_quant import QuantizedExpertWeights, quantize_fused_experts
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "configs" / "tiny-moe"))

@@ -13,7 +13,7 @@ from tests.helpers import REPO
 pytest.importorskip("bitsandbytes")
 
 from trainer.fastpath.moe_experts import IMPLEMENTATION, patch_quantized_experts  # noqa: E402
-from trainer.model.moe_quant import quantize_fused_experts  # noqa: E402
+from trainer.moe_quant import quantize_fused_experts  # noqa: E402
 
 GLM_TINY = dict(  # experts small enough that the second-level scale blocks straddle experts (fp32 scales kept)
     model_type="glm4_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,

@@ -132,7 +132,7 @@ def test_qlora_storage_is_the_compute_dtype_under_fsdp_only():
 
 def test_packed_experts_become_frozen_parameters_that_dequantize_alike():
     """FSDP shards parameters, not buffers: under FSDP the experts' packed bytes are floating parameters."""
-    from trainer.model.moe_quant import QuantizedExpertWeights
+    from trainer.moe_quant import QuantizedExpertWeights
 
     weight = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(0))
     as_bytes = QuantizedExpertWeights(weight, "nf4", True)

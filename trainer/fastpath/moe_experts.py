@@ -1,6 +1,6 @@
 """4-bit MoE experts on the fast path: one dequantization and one grouped GEMM per projection, not a loop.
 
-``trainer/model/moe_quant.py`` keeps fused expert weights in 4-bit and leaves them on transformers' eager
+``trainer/moe_quant.py`` keeps fused expert weights in 4-bit and leaves them on transformers' eager
 experts loop, which for every expert a batch routes to dequantizes its weights, gathers its tokens, runs two
 GEMMs and scatters the result: with 64 routed experts, hundreds of small launches per layer and a step bound
 by host time (the scaled-down glm4_moe trained at 0.31x the tokens/s of Trainer + PEFT, whose 16-bit experts
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.fastpath.lora_ops import _dequant_buffer
-from trainer.model.moe_quant import QuantizedExpertWeights
+from trainer.moe_quant import QuantizedExpertWeights
 
 IMPLEMENTATION = "kit_grouped_4bit"  # the name registered in transformers' experts interface
 

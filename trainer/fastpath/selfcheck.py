@@ -98,7 +98,7 @@ def check_grouped_4bit_experts(device, dtype, kernel=None) -> float:
     """4-bit MoE experts packed into one tensor, dequantized in one launch and multiplied by a grouped GEMM
     (trainer/fastpath/moe_experts.py), against each expert dequantized by bitsandbytes and an eager loop."""
     from trainer.fastpath import moe_experts
-    from trainer.model.moe_quant import QuantizedExpertWeights
+    from trainer.moe_quant import QuantizedExpertWeights
 
     weights = QuantizedExpertWeights((torch.randn(4, 256, 64, device=device) * 0.1).to(dtype), "nf4", True)
     dense = torch.stack([weights[i] for i in range(len(weights))]).float()  # bitsandbytes, one expert each

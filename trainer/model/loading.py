@@ -21,8 +21,8 @@ from trainer.families import Family, ModelLoadError, family_for
 from trainer.families.base import kernel_path_chosen
 from trainer.fastpath import attention as fast_attention
 from trainer.model import kernel_choice
-from trainer.model.moe_quant import QuantizedExpertWeights, quantize_fused_experts
 from trainer.model.sharded_loading import ShardedLoad
+from trainer.moe_quant import QuantizedExpertWeights, quantize_fused_experts
 from trainer.training import chunked_loss
 
 log = logging.getLogger(__name__)
