@@ -625,3 +625,41 @@ def test_a_checkpoint_saved_without_fsdp_is_refused_under_fsdp(tmp_path, monkeyp
         match="checkpoint-4 was saved without FSDP .* resume it with training.distributed: ddp",
     ):
         checkpointing.restore(resume_from, accelerator, model=None, state=None)
+
+
+@pytest.mark.slow
+def test_lora_loaded_in_shards_holds_half_per_rank_and_trains_as_one_process(tmp_path):
+    """LoRA (16-bit base) with fsdp.cpu_ram_efficient_loading: each of two ranks keeps only its shard of
+    every weight while loading, and the losses and adapter are one process's."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = tmp_path / "base"  # a checkpoint to load (random_init builds from the config, loading nothing)
+    shutil.copytree(REPO / "configs" / "tiny-llama", base)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base)).save_pretrained(base)
+    extra = {
+        "model": {"dtype": "fp32", "name_or_path": str(base), "random_init": False},
+        "training": {"distributed": "fsdp", "max_steps": 3, "save_steps": 3},
+        "eval": {"interval": 100},
+    }
+    one_cfg, one = llama_config(tmp_path, "one", extra)
+    result = run_trainer("train", "--config", str(one_cfg))
+    assert result.returncode == 0, result.stderr[-3000:]
+    whole = held_bytes(result)[0]
+    loaded_cfg, loaded = llama_config(
+        tmp_path, "loaded", deep_merge(extra, {"fsdp": {"cpu_ram_efficient_loading": True}})
+    )
+    in_shards = launch_two(loaded_cfg)
+    assert in_shards.returncode == 0, in_shards.stderr[-3000:]
+    held = held_bytes(in_shards)
+    assert "loaded in shards" in in_shards.stdout
+    assert sorted(held) == [0, 1] and all(whole / 2 < b < whole / 2 + 64 * 1024 for b in held.values()), held
+    assert_same_losses(losses(loaded), losses(one))
+    adapter = load_file(str(loaded / "final-checkpoint-3" / "adapter_model.safetensors"))
+    reference = load_file(str(one / "final-checkpoint-3" / "adapter_model.safetensors"))
+    assert sorted(adapter) == sorted(reference)
+    for key, tensor in reference.items():
+        assert torch.allclose(adapter[key], tensor, atol=1e-5), key

@@ -49,9 +49,9 @@ def make_plugin(cfg: Config):
             reshard_after_forward=f.reshard_after_forward,
             cpu_offload=f.cpu_offload,
             activation_checkpointing=f.activation_checkpointing,
-            # accelerate's way (rank 0 reads, the others receive) is for 16-bit models; 4-bit ones are
-            # loaded in shards by the kit itself (trainer/model/sharded_loading.py)
-            cpu_ram_efficient_loading=f.cpu_ram_efficient_loading and cfg.training.method != "qlora",
+            # accelerate's way (rank 0 reads, the others receive) is left to full fine-tuning; QLoRA and LoRA
+            # are loaded in shards by the kit itself (trainer/model/sharded_loading.py)
+            cpu_ram_efficient_loading=f.cpu_ram_efficient_loading and cfg.training.method == "full",
             auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=list(f.wrap_classes) if f.wrap_classes else None,
             # Each rank writes its shard of the training state (torch.distributed.checkpoint); the weights are
