@@ -443,13 +443,30 @@ def held_bytes(result) -> dict[int, int]:
     }
 
 
+def assert_loaded_in_shards(config, run, one, whole: int, slack: int) -> None:
+    """Two ranks loading in shards: each holds half of one process's weight bytes (plus ``slack``) before
+    sharding, and the losses and the consolidated adapter are the one-process run's."""
+    from safetensors.torch import load_file
+
+    in_shards = launch_two(config)
+    assert in_shards.returncode == 0, in_shards.stderr[-3000:]
+    assert "loaded in shards" in in_shards.stdout
+    held = held_bytes(in_shards)
+    assert sorted(held) == [0, 1] and all(whole / 2 < b < whole / 2 + slack for b in held.values()), held
+    assert_same_losses(losses(run), losses(one))
+    adapter = load_file(str(run / "final-checkpoint-3" / "adapter_model.safetensors"))
+    reference = load_file(str(one / "final-checkpoint-3" / "adapter_model.safetensors"))
+    assert sorted(adapter) == sorted(reference)
+    for key, tensor in reference.items():
+        assert torch.allclose(adapter[key], tensor, atol=1e-5), key
+
+
 @pytest.mark.slow
 def test_qlora_moe_under_fsdp_equals_one_process(tmp_path):
     """QLoRA on the tiny MoE (fused experts quantized, stored as shardable parameters) over two ranks gives the
     losses of one process over the same rows (fp32 compute, so within 1e-5). Loaded as usual each rank holds the
     whole 4-bit model before sharding; loaded in shards (fsdp.cpu_ram_efficient_loading) each holds half, and
     training and the consolidated adapter are the same."""
-    from safetensors.torch import load_file
 
     extra = {
         "model": {"name_or_path": str(REPO / "configs" / "tiny-moe"), "dtype": "fp32"},
@@ -476,17 +493,8 @@ def test_qlora_moe_under_fsdp_equals_one_process(tmp_path):
     loaded_cfg, loaded = llama_config(
         tmp_path, "loaded", deep_merge(extra, {"fsdp": {"cpu_ram_efficient_loading": True}})
     )
-    in_shards = launch_two(loaded_cfg)
-    assert in_shards.returncode == 0, in_shards.stderr[-3000:]
-    held = held_bytes(in_shards)
     # half the weights, plus what is not yet sharded either way (the adapters, a rotary buffer): a few KiB
-    assert sorted(held) == [0, 1] and all(whole / 2 < b < whole / 2 + 32 * 1024 for b in held.values()), held
-    assert_same_losses(losses(loaded), losses(one))
-    adapter = load_file(str(loaded / "final-checkpoint-3" / "adapter_model.safetensors"))
-    reference = load_file(str(one / "final-checkpoint-3" / "adapter_model.safetensors"))
-    assert sorted(adapter) == sorted(reference)
-    for key, tensor in reference.items():
-        assert torch.allclose(adapter[key], tensor, atol=1e-5), key
+    assert_loaded_in_shards(loaded_cfg, loaded, one, whole, slack=32 * 1024)
 
 
 def sharded_params(result) -> dict[int, tuple[int, dict]]:
@@ -633,7 +641,6 @@ def test_lora_loaded_in_shards_holds_half_per_rank_and_trains_as_one_process(tmp
     every weight while loading, and the losses and adapter are one process's."""
     import shutil
 
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base = tmp_path / "base"  # a checkpoint to load (random_init builds from the config, loading nothing)
@@ -652,14 +659,4 @@ def test_lora_loaded_in_shards_holds_half_per_rank_and_trains_as_one_process(tmp
     loaded_cfg, loaded = llama_config(
         tmp_path, "loaded", deep_merge(extra, {"fsdp": {"cpu_ram_efficient_loading": True}})
     )
-    in_shards = launch_two(loaded_cfg)
-    assert in_shards.returncode == 0, in_shards.stderr[-3000:]
-    held = held_bytes(in_shards)
-    assert "loaded in shards" in in_shards.stdout
-    assert sorted(held) == [0, 1] and all(whole / 2 < b < whole / 2 + 64 * 1024 for b in held.values()), held
-    assert_same_losses(losses(loaded), losses(one))
-    adapter = load_file(str(loaded / "final-checkpoint-3" / "adapter_model.safetensors"))
-    reference = load_file(str(one / "final-checkpoint-3" / "adapter_model.safetensors"))
-    assert sorted(adapter) == sorted(reference)
-    for key, tensor in reference.items():
-        assert torch.allclose(adapter[key], tensor, atol=1e-5), key
+    assert_loaded_in_shards(loaded_cfg, loaded, one, whole, slack=64 * 1024)
