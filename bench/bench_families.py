@@ -460,6 +460,23 @@ def run_row_child(row, args, argv) -> dict:
     return {"row": row.name, "status": "error", "reason": f"exit {done.returncode}: {tail[0]}"[:300]}
 
 
+def limit_autotuning(most: int, autotuner=None) -> None:
+    """Every Triton autotuner of this process tries at most ``most`` of its configs (the first ones, as
+    the kernel lists them after its own pruning): compiling every config of every fla kernel for each new
+    shape and dtype is what makes a cold machine's first fp32 check take more than ten minutes."""
+    if autotuner is None:
+        from triton.runtime.autotuner import Autotuner as autotuner
+    prune = autotuner.prune_configs
+    if getattr(prune, "limited_to", None) is not None:
+        prune = prune.__wrapped__
+
+    def limited(self, *args, **kwargs):
+        return list(prune(self, *args, **kwargs))[:most]
+
+    limited.__wrapped__, limited.limited_to = prune, most
+    autotuner.prune_configs = limited
+
+
 def write_report(out: str, results: list[dict]) -> None:
     report = {"environment": environment(), "rows": results, "summary": ratio_notes(results)}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -491,8 +508,17 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds a row may run before it is recorded as a timeout",
     )
     parser.add_argument("--inline", action="store_true", help="run rows in this process instead of one each")
+    parser.add_argument(
+        "--autotune-configs",
+        type=int,
+        default=None,
+        help="Triton autotunes over at most this many configs per kernel (fla's first-use autotuning of "
+        "fp32 kernels outlasts a 10-minute call; the figures are checks, not timings)",
+    )
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run this one row, print its JSON
     args = parser.parse_args(argv)
+    if args.autotune_configs:
+        limit_autotuning(args.autotune_configs)
     if args.smoke:
         args.seq = min(args.seq, 64)
         args.batch_gla = args.batch_mamba2 = args.batch_mamba = 2

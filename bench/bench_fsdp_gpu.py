@@ -250,18 +250,20 @@ def sharded_lines(stdout: str) -> dict[int, int]:
 
 
 def memory_cells(args, models: dict) -> list[tuple[str, str, str, int]]:
-    """(model, method, mode, gpus), the comparisons first: DDP on one GPU, FSDP and DDP on each larger count;
-    then DDP with the fast path, the context (what FSDP gives up)."""
+    """(model, method, mode, gpus) in the order a short call needs them: each model's sharding ladder first
+    (DDP on one GPU, then FSDP on each larger count: the 1/N figure), then DDP on the larger counts (the
+    throughput it is compared with), then DDP with the fast path (the context: what FSDP gives up)."""
     several = [g for g in args.gpus if g > 1]
-    core, context = [], []
+    ladder, throughput, context = [], [], []
     for name in models:
         for method in args.methods:
             if 1 in args.gpus:
-                core.append((name, method, "ddp", 1))
-            core += [(name, method, "fsdp", g) for g in several] + [(name, method, "ddp", g) for g in several]
+                ladder.append((name, method, "ddp", 1))
+            ladder += [(name, method, "fsdp", g) for g in several]
+            throughput += [(name, method, "ddp", g) for g in several]
             if 1 in args.gpus and not args.smoke:
                 context.append((name, method, "ddp+fast", 1))
-    return core + context
+    return ladder + throughput + context
 
 
 def memory(args, models: dict, out: Path, report: Report) -> None:

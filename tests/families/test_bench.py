@@ -225,3 +225,20 @@ def test_a_row_past_its_timeout_is_recorded_and_earlier_rows_are_kept(tmp_path, 
         "row": "mamba2-130m dora fast", "status": "timeout", "reason": "still running after 7 s"
     }  # fmt: skip
     assert rows["mamba2-130m qlora reference"]["status"] == "ok"
+
+
+def test_autotune_limit_keeps_the_first_configs_after_the_kernels_own_pruning():
+    bench = load_bench()
+
+    class Autotuner:  # the shape of triton.runtime.autotuner.Autotuner's hook
+        def __init__(self, configs):
+            self.configs = configs
+
+        def prune_configs(self, kwargs):
+            return [c for c in self.configs if c != "bad"]
+
+    tuner = Autotuner(["bad", "a", "b", "c"])
+    bench.limit_autotuning(2, Autotuner)
+    assert tuner.prune_configs({}) == ["a", "b"]
+    bench.limit_autotuning(1, Autotuner)  # set again: replaces the limit, never stacks
+    assert tuner.prune_configs({}) == ["a"]

@@ -26,8 +26,9 @@ def test_cells_land_in_the_report_one_by_one_and_the_budget_skips_the_rest(tmp_p
     args = bench.argparse.Namespace(gpus=[1, 2], methods=["qlora"], smoke=False, steps=4, length=64, port=0)
     models = {"dense": (tmp_path, 8, 32), "glm_air": (tmp_path, 3, 46)}
     assert bench.memory_cells(args, models) == [
-        ("dense", "qlora", "ddp", 1), ("dense", "qlora", "fsdp", 2), ("dense", "qlora", "ddp", 2),
-        ("glm_air", "qlora", "ddp", 1), ("glm_air", "qlora", "fsdp", 2), ("glm_air", "qlora", "ddp", 2),
+        ("dense", "qlora", "ddp", 1), ("dense", "qlora", "fsdp", 2),
+        ("glm_air", "qlora", "ddp", 1), ("glm_air", "qlora", "fsdp", 2),
+        ("dense", "qlora", "ddp", 2), ("glm_air", "qlora", "ddp", 2),
         ("dense", "qlora", "ddp+fast", 1), ("glm_air", "qlora", "ddp+fast", 1),
     ]  # fmt: skip
 
