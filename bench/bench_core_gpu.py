@@ -339,7 +339,7 @@ def measure(
     """Each setting of one shape. The kit and Unsloth run ``repeat`` times, alternating (every kit setting,
     then one Unsloth invocation, which covers all three settings), so host-speed drift hits both alike;
     ref, hf and liger run once, in the first repeat. ``progress(cells)`` gets the cells so far after each
-    repeat (main saves them: a call cut off by its time limit keeps the repeats it finished)."""
+    setting and repeat (main saves them: a call cut off by its time limit keeps the rows it finished)."""
     name, config = SHAPES[shape]
     model = model_dir(root / "models", name, config, weights=True)
     cells = {setting: {"shape": shape, "setting": setting} for setting in settings}
@@ -361,6 +361,13 @@ def measure(
             for impl, liger in (("hf", False), ("liger", True)):
                 if impl in impls:
                     cell[impl] = run_hf(model, steps, method == "qlora", gc, liger)
+            if progress is not None:  # a call cut off during Unsloth's run keeps the rows before it
+                progress(
+                    [
+                        {**c, **({"ours": aggregate_runs(ours[s])} if ours[s] else {})}
+                        for s, c in cells.items()
+                    ]
+                )
         if "unsloth" in impls and anchors is not None:
             rows = run_unsloth(anchors, steps, None if shape == "llama" else model, settings)
             for setting in settings:

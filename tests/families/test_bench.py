@@ -242,3 +242,19 @@ def test_autotune_limit_keeps_the_first_configs_after_the_kernels_own_pruning():
     assert tuner.prune_configs({}) == ["a", "b"]
     bench.limit_autotuning(1, Autotuner)  # set again: replaces the limit, never stacks
     assert tuner.prune_configs({}) == ["a"]
+
+
+def test_fp64_reference_op_matches_the_fp32_one_and_keeps_the_dtype():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("fla")
+    from trainer.families.gla_reference import naive_gla
+
+    bench = load_bench()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2, 8, generator=g) for _ in range(3))
+    gk = -torch.rand(1, 16, 2, 8, generator=g)
+    exact, state = bench.naive_gla_in_fp64(q=q, k=k, v=v, gk=gk, output_final_state=True)
+    plain, plain_state = naive_gla(q=q, k=k, v=v, gk=gk, output_final_state=True)
+    assert exact.dtype == state.dtype == torch.float32
+    assert torch.allclose(exact, plain, atol=1e-5) and torch.allclose(state, plain_state, atol=1e-5)
+    assert not torch.equal(exact, plain)  # computed in fp64, not the fp32 op again

@@ -118,7 +118,16 @@ def test_repeats_alternate_every_kit_setting_with_one_unsloth_call(recorded, tmp
     assert first["ours"]["tokens_per_sec_runs"] == [101.0, 111.0]
     assert first["unsloth"]["tokens_per_sec_runs"] == [210.0, 214.0]
     assert "tokens_per_sec_runs" not in first["ref"] and "tokens_per_sec_runs" not in first["liger"]
-    assert len(saved) == 2 and saved[0][0]["ours"]["tokens_per_sec"] == 101.0  # after repeat 1 alone
+    # saved after each setting of the first repeat (a call cut off during Unsloth keeps the rows before
+    # it: the third save has every kit, ref and Liger row, no Unsloth yet), then after each repeat
+    assert len(saved) == 5
+    assert [("ours" in c, "unsloth" in c) for c in saved[0]] == [
+        (True, False),
+        (False, False),
+        (False, False),
+    ]
+    assert all("ours" in c and "liger" in c and "unsloth" not in c for c in saved[2])
+    assert saved[3][0]["ours"]["tokens_per_sec"] == 101.0 and "unsloth" in saved[3][0]  # after repeat 1
 
 
 def test_settings_pick_the_cells_and_the_unsloth_variants(recorded, tmp_path):
