@@ -9,6 +9,10 @@ are compared with the reference in fp32 on the same rounded inputs (trainer/kern
 - ``chunk_gla`` (the layer's op on rows over 64 tokens): two documents through ``cu_seqlens`` as packed
   training rows are, each over one 64-token chunk, so the state passed between chunks and the varlen
   boundary are both exercised; against ``naive_gla`` (fla's ``naive_recurrent_gla``);
+- ``chunk_gla_rows``: the same op on two equal-length rows without ``cu_seqlens``, as unpadded batches
+  reach it: Triton compiles that variant separately, and fla's autotuner keys (head sizes, dtype) are
+  shared by both, so the configuration picked here is the one training reuses, checked in both binaries
+  (on an H100 the fp32 chunk kernels' error moved with the configuration autotuning picked: bench/RESULTS.md);
 - ``fused_recurrent_gla`` (what the layer calls on rows of 64 tokens or fewer): the same, shorter;
 - fla's fused ``RMSNorm`` (with the residual add the blocks use) and ``FusedRMSNormGated`` (the output
   norm and swish gate), when ``fuse_norm`` is on; fla's fused ``swiglu_linear`` when ``fuse_swiglu`` is
@@ -29,6 +33,7 @@ from trainer.families.gla_reference import naive_gla, torch_rms_norm
 from trainer.kernelcheck import compare, random_leaves
 
 CHUNK_TOKENS = (90, 70)  # two documents, each longer than chunk_gla's 64-token chunk
+ROW_TOKENS = 80  # two equal-length rows of this many tokens, no cu_seqlens
 RECURRENT_TOKENS = (40, 24)  # rows of 64 tokens or fewer go through fused_recurrent_gla
 NORM_TOKENS = 48
 GATE_NORMALIZER = 16  # fla's gate_logit_normalizer: gates are logsigmoid(x) / 16
@@ -42,17 +47,23 @@ def head_sizes(hf_config) -> tuple[int, int, int]:
     return heads, key, value
 
 
-def check_gla_op(device, dtype, op_name: str, heads: int, key: int, value: int, tokens=CHUNK_TOKENS) -> float:
-    """One fla GLA op, called as ``fla.layers.gla`` calls it (varlen, state_v_first), against naive_gla."""
+def check_gla_op(
+    device, dtype, op_name: str, heads: int, key: int, value: int, tokens=CHUNK_TOKENS, varlen: bool = True
+) -> float:
+    """One fla GLA op, called as ``fla.layers.gla`` calls it (state_v_first), against naive_gla: packed
+    documents through ``cu_seqlens`` (``varlen``), or ``len(tokens)`` rows of ``tokens[0]`` tokens each."""
     import fla.ops.gla as ops
 
-    total = sum(tokens)
-    bounds = torch.tensor([0, *torch.tensor(tokens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    if varlen:
+        rows, length = 1, sum(tokens)
+        bounds = torch.tensor([0, *torch.tensor(tokens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    else:
+        rows, length, bounds = len(tokens), tokens[0], None
     q, k, v = random_leaves(
-        (1, total, heads, key), (1, total, heads, key), (1, total, heads, value), device=device, dtype=dtype,
-        scale=1.0,
+        (rows, length, heads, key), (rows, length, heads, key), (rows, length, heads, value), device=device,
+        dtype=dtype, scale=1.0,
     )  # fmt: skip
-    gate = (F.logsigmoid(torch.randn(1, total, heads, key, device=device)) / GATE_NORMALIZER).to(dtype)
+    gate = (F.logsigmoid(torch.randn(rows, length, heads, key, device=device)) / GATE_NORMALIZER).to(dtype)
     gate.requires_grad_(True)
     gate_keyword = "gk" if op_name == "fused_recurrent_gla" else "g"
 
@@ -129,6 +140,10 @@ def checks(hf_config) -> dict:
         found["chunk_gla"] = functools.partial(
             check_gla_op, op_name="chunk_gla", heads=heads, key=key, value=value
         )
+        found["chunk_gla_rows"] = functools.partial(
+            check_gla_op, op_name="chunk_gla", heads=heads, key=key, value=value,
+            tokens=(ROW_TOKENS, ROW_TOKENS), varlen=False,
+        )  # fmt: skip
     found["fused_recurrent_gla"] = functools.partial(
         check_gla_op,
         op_name="fused_recurrent_gla",
