@@ -24,7 +24,9 @@ Sections (--only): memory (DDP vs FSDP per model, method and GPU count), equalit
 against one GPU over the same rows: max |loss difference|), resume (FSDP on 2 GPUs, SIGKILL after
 checkpoint-2, restart: the losses against the uninterrupted run), loading (QLoRA under FSDP loaded whole or in
 shards, fsdp.cpu_ram_efficient_loading: each rank's GPU peak while loading and the weights it holds right
-before sharding, from the trainer's "fsdp loading" lines; not in the default set).
+before sharding, from the trainer's "fsdp loading" lines; not in the default set), planner (`python -m trainer
+plan --gpus N` on one device for each model's QLoRA FSDP cell: its per-GPU prediction against the peak the memory
+section measured in the same run, which runs first: --only memory,planner).
 """
 
 from __future__ import annotations
@@ -369,6 +371,49 @@ def loading(args, models: dict, out: Path, report: Report) -> None:
                 report.add("loading", row)
 
 
+def plan_command(config: Path, gpus: int) -> list[str]:
+    """The planner's dry run on one device, predicting each of ``gpus`` GPUs' peak under FSDP."""
+    return [sys.executable, "-m", "trainer", "plan", "--config", str(config), "--gpus", str(gpus),
+            "--plan-steps", "2", "--margin", "0"]  # fmt: skip
+
+
+def predicted_gib(plan_json: Path, micro: int, length: int) -> float | None:
+    """The planner's per-GPU prediction for the shape the FSDP cells train (plan.json's candidate)."""
+    for candidate in json.loads(plan_json.read_text())["candidates"]:
+        if candidate["micro"] == micro and candidate["max_length"] == length and candidate.get("per_gpu_mb"):
+            return round(candidate["per_gpu_mb"] / 1024, 2)
+    return None
+
+
+def planner(args, models: dict, out: Path, report: Report) -> None:
+    """`plan --gpus N` on one device for each model's QLoRA FSDP cell, against the peak that cell measured
+    (the memory section's row in this report, when it ran): issue 16's check of the planner."""
+    measured = {
+        (r["model"], r["gpus"]): r.get("peak_gib")
+        for r in report.data.get("memory", [])
+        if r.get("mode") == "fsdp" and r.get("method") == "qlora"
+    }
+    for name, (folder, layers, _) in models.items():
+        for gpus in [g for g in args.gpus if g > 1]:
+            row = {"model": name, "layers": layers, "method": "qlora", "gpus": gpus}
+            if args.budget.spent():
+                report.add("planner", {**row, "status": "skipped (budget)"})
+                continue
+            run = out / "planner" / f"{name}-qlora-{gpus}"
+            config = cell_config(run, folder, "qlora", "fsdp", gpus, args)
+            result = subprocess.run(plan_command(config, gpus), cwd=REPO, env=environment(args), text=True,
+                                    capture_output=True, timeout=args.budget.left())  # fmt: skip
+            if result.returncode != 0 or not (run / "plan.json").exists():
+                row["status"] = f"failed ({result.returncode}): {(result.stderr or result.stdout)[-300:]}"
+            else:
+                row["predicted_gib"] = predicted_gib(run / "plan.json", 1, args.length)
+                row["measured_gib"] = measured.get((name, gpus))
+                if row["predicted_gib"] and row["measured_gib"]:
+                    row["predicted_over_measured"] = round(row["predicted_gib"] / row["measured_gib"], 2)
+                row["status"] = "ok"
+            report.add("planner", row)
+
+
 def kill_tree(pid: int) -> None:
     import psutil
 
@@ -523,6 +568,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         cols = ["model", "layers", "gpus", "loading", "held_mib_max_rank", "load_peak_gib_max_rank"]
         print(table(report.data.get("loading", []), cols + ["train_peak_gib", "status"]))
+    if "planner" in sections:
+        planner(args, {k: v for k, v in models.items() if k in args.models.split(",")}, out, report)
+        print(
+            "\nthe planner's per-GPU prediction (one-device dry run) against the FSDP cell's measured peak:"
+        )
+        cols = [
+            "model",
+            "layers",
+            "gpus",
+            "predicted_gib",
+            "measured_gib",
+            "predicted_over_measured",
+            "status",
+        ]
+        print(table(report.data.get("planner", []), cols))
     if "resume" in sections and 2 in args.gpus:
         resume(args, models, out, report)
         print("\nSIGKILL after checkpoint-2 on 2 GPUs (FSDP), restart, against the uninterrupted run:")
@@ -539,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nreport: {out / 'report.json'}")
     failed = [
         r
-        for s in ("memory", "equality", "resume", "loading")
+        for s in ("memory", "equality", "resume", "loading", "planner")
         for r in report.data.get(s, [])
         if r.get("status") not in ("ok", "oom", "skipped (budget)")
     ]

@@ -61,3 +61,22 @@ def test_smoke_runs_ddp_and_fsdp_on_two_cpu_processes(tmp_path):
     assert [(r["mode"], r["gpus"], r["status"]) for r in rows] == [("fsdp", 2, "ok"), ("ddp", 2, "ok")]
     assert rows[0]["params_mib_max_rank"] > 0 and rows[0]["tokens_per_s_per_gpu"] > 0
     assert (out / "models" / "dense8b" / "model.safetensors").is_file()  # built once, loaded by every cell
+
+
+def test_planner_section_predicts_each_fsdp_cell_and_reads_it_against_the_measured_peak(tmp_path):
+    """The planner's one-device dry run (`python -m trainer plan --gpus 2`, a real CPU process at toy size)
+    against the memory section's FSDP row for the same model and GPU count."""
+    bench = load_bench()
+    args = bench.argparse.Namespace(
+        gpus=[1, 2], smoke=True, steps=2, length=64, port=0, budget=bench.Budget(600), models="dense"
+    )
+    folder = bench.write_model(tmp_path / "models" / "dense8b", bench.DENSE_8B, 2, smoke=True)
+    report = bench.Report(tmp_path / "report.json", args)
+    report.add("memory", {"model": "dense", "method": "qlora", "mode": "fsdp", "gpus": 2, "peak_gib": 0.25})
+    bench.planner(args, {"dense": (folder, 2, 32)}, tmp_path, report)
+    (row,) = json.loads((tmp_path / "report.json").read_text())["planner"]
+    assert row["status"] == "ok" and row["gpus"] == 2 and row["measured_gib"] == 0.25
+    assert row["predicted_gib"] > 0
+    assert row["predicted_over_measured"] == round(row["predicted_gib"] / 0.25, 2)
+    plan = json.loads((tmp_path / "planner" / "dense-qlora-2" / "plan.json").read_text())
+    assert any(c["fsdp_gpus"] == 2 and c["micro"] == 1 for c in plan["candidates"])
