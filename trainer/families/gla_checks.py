@@ -10,8 +10,8 @@ are compared with the reference in fp32 on the same rounded inputs (trainer/kern
   training rows are, each over one 64-token chunk, so the state passed between chunks and the varlen
   boundary are both exercised; against ``naive_gla`` (fla's ``naive_recurrent_gla``);
 - ``chunk_gla_rows``: the same op on two equal-length rows without ``cu_seqlens``, as unpadded batches
-  reach it: Triton compiles that variant separately, and fla's autotuner keys (head sizes, dtype) are
-  shared by both, so the configuration picked here is the one training reuses, checked in both binaries
+  reach it: Triton compiles that variant separately, while fla's autotuner keys its cached configuration on
+  the head sizes and dtypes both share, so a configuration picked here is then checked in both binaries
   (on an H100 the fp32 chunk kernels' error moved with the configuration autotuning picked: bench/RESULTS.md);
 - ``fused_recurrent_gla`` (what the layer calls on rows of 64 tokens or fewer): the same, shorter;
 - fla's fused ``RMSNorm`` (with the residual add the blocks use) and ``FusedRMSNormGated`` (the output
