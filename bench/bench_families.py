@@ -250,11 +250,11 @@ def rel(a, b) -> float:
 
 
 def naive_gla_in_fp64(
-    q, k, v, gk=None, g=None, scale=None, initial_state=None, output_final_state=False, **_
+    q, k, v, gk=None, g=None, scale=None, initial_state=None, output_final_state=False, **options
 ):
     """fla's reference recurrence (fla.ops.gla.naive, which computes in fp32) computed in fp64 and handed
     back in its inputs' dtype: equal-length rows only (the check feeds one 512-token row)."""
-    if _.get("cu_seqlens") is not None:
+    if options.get("cu_seqlens") is not None:
         raise ValueError("naive_gla_in_fp64 takes equal-length rows, not cu_seqlens")
     import torch
 
