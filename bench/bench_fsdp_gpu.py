@@ -401,8 +401,12 @@ def planner(args, models: dict, out: Path, report: Report) -> None:
                 continue
             run = out / "planner" / f"{name}-qlora-{gpus}"
             config = cell_config(run, folder, "qlora", "fsdp", gpus, args)
-            result = subprocess.run(plan_command(config, gpus), cwd=REPO, env=environment(args), text=True,
-                                    capture_output=True, timeout=args.budget.left())  # fmt: skip
+            try:
+                result = subprocess.run(plan_command(config, gpus), cwd=REPO, env=environment(args), text=True,
+                                        capture_output=True, timeout=args.budget.left())  # fmt: skip
+            except subprocess.TimeoutExpired:
+                report.add("planner", {**row, "status": "timeout (budget)"})
+                continue
             if result.returncode != 0 or not (run / "plan.json").exists():
                 row["status"] = f"failed ({result.returncode}): {(result.stderr or result.stdout)[-300:]}"
             else:

@@ -80,3 +80,19 @@ def test_planner_section_predicts_each_fsdp_cell_and_reads_it_against_the_measur
     assert row["predicted_over_measured"] == round(row["predicted_gib"] / 0.25, 2)
     plan = json.loads((tmp_path / "planner" / "dense-qlora-2" / "plan.json").read_text())
     assert any(c["fsdp_gpus"] == 2 and c["micro"] == 1 for c in plan["candidates"])
+
+
+def test_planner_section_records_a_dry_run_the_budget_stopped(tmp_path, monkeypatch):
+    bench = load_bench()
+    args = bench.argparse.Namespace(
+        gpus=[2], smoke=True, steps=2, length=64, port=0, budget=bench.Budget(600)
+    )
+    report = bench.Report(tmp_path / "report.json", args)
+
+    def out_of_time(command, **kwargs):
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(bench.subprocess, "run", out_of_time)
+    bench.planner(args, {"dense": (tmp_path, 2, 32)}, tmp_path, report)
+    (row,) = json.loads((tmp_path / "report.json").read_text())["planner"]
+    assert row["status"] == "timeout (budget)" and row["gpus"] == 2
