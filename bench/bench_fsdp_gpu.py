@@ -25,7 +25,7 @@ against one GPU over the same rows: max |loss difference|), resume (FSDP on 2 GP
 checkpoint-2, restart: the losses against the uninterrupted run), loading (QLoRA under FSDP loaded whole or in
 shards, fsdp.cpu_ram_efficient_loading: each rank's GPU peak while loading and the weights it holds right
 before sharding, from the trainer's "fsdp loading" lines; not in the default set), planner (`python -m trainer
-plan --gpus N` on one device for each model's QLoRA FSDP cell: its per-GPU prediction against the peak the memory
+plan --gpus N` on one device for each model's and method's FSDP cell: its per-GPU prediction against the peak the memory
 section measured in the same run, which runs first: --only memory,planner).
 """
 
@@ -126,6 +126,7 @@ def cell_config(out: Path, model: Path, method: str, distributed: str, gpus: int
             "mixed_precision": "no" if fp32 or args.smoke else "bf16",
             "save_steps": extra.pop("save_steps", 1000),
         },
+        "optimization": {"optimizer": getattr(args, "optimizer", "adamw")},
         "lora": {"dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
         "quantization": {"compute_dtype": "fp32" if fp32 or args.smoke else "bf16"},
         "data": {"max_length": args.length, "val_fraction": 0.01},
@@ -211,7 +212,13 @@ def figures(run: Path, gpus: int) -> dict:
     }
 
 
-BYTES_PER_PARAM = {"qlora": 0.53, "lora": 2.0, "full": 2.0}  # NF4 + double-quant constants; bf16
+def bytes_per_param(method: str, mode: str) -> float:
+    """What one left-out parameter adds: NF4 + double-quant constants; bf16 frozen; full fine-tuning adds its
+    gradient and AdamW's two moments, in bf16 under DDP and in fp32 under FSDP (accelerate keeps FSDP's
+    trainable parameters as fp32 masters under mixed precision)."""
+    if method == "full":
+        return 16.0 if mode == "fsdp" else 8.0
+    return {"qlora": 0.53, "lora": 2.0}[method]
 
 
 def layer_params(folder: Path) -> int:
@@ -232,7 +239,7 @@ def full_model_gib(row: dict, per_layer: int, full_layers: int) -> float | None:
     """The measured peak plus the weights of the layers left out, divided among the GPUs under FSDP."""
     if not row.get("peak_gib"):
         return None
-    missing = (full_layers - row["layers"]) * per_layer * BYTES_PER_PARAM[row["method"]] / 2**30
+    missing = (full_layers - row["layers"]) * per_layer * bytes_per_param(row["method"], row["mode"]) / 2**30
     return round(row["peak_gib"] + missing / (row["gpus"] if row["mode"] == "fsdp" else 1), 1)
 
 
@@ -256,6 +263,7 @@ def memory_cells(args, models: dict) -> list[tuple[str, str, str, int]]:
     (DDP on one GPU, then FSDP on each larger count: the 1/N figure), then DDP on the larger counts (the
     throughput it is compared with), then DDP with the fast path (the context: what FSDP gives up)."""
     several = [g for g in args.gpus if g > 1]
+    modes = set(args.modes)
     ladder, throughput, context = [], [], []
     for name in models:
         for method in args.methods:
@@ -265,7 +273,7 @@ def memory_cells(args, models: dict) -> list[tuple[str, str, str, int]]:
             throughput += [(name, method, "ddp", g) for g in several]
             if 1 in args.gpus and not args.smoke:
                 context.append((name, method, "ddp+fast", 1))
-    return ladder + throughput + context
+    return [cell for cell in ladder + throughput + context if cell[2] in modes]
 
 
 def memory(args, models: dict, out: Path, report: Report) -> None:
@@ -386,36 +394,38 @@ def predicted_gib(plan_json: Path, micro: int, length: int) -> float | None:
 
 
 def planner(args, models: dict, out: Path, report: Report) -> None:
-    """`plan --gpus N` on one device for each model's QLoRA FSDP cell, against the peak that cell measured
-    (the memory section's row in this report, when it ran): issue 16's check of the planner."""
+    """`plan --gpus N` on one device for each model's and method's FSDP cell, against the peak that cell
+    measured (the memory section's row in this report, when it ran): issue 16's check of the planner."""
     measured = {
-        (r["model"], r["gpus"]): r.get("peak_gib")
+        (r["model"], r["method"], r["gpus"]): r.get("peak_gib")
         for r in report.data.get("memory", [])
-        if r.get("mode") == "fsdp" and r.get("method") == "qlora"
+        if r.get("mode") == "fsdp"
     }
     for name, (folder, layers, _) in models.items():
-        for gpus in [g for g in args.gpus if g > 1]:
-            row = {"model": name, "layers": layers, "method": "qlora", "gpus": gpus}
-            if args.budget.spent():
-                report.add("planner", {**row, "status": "skipped (budget)"})
-                continue
-            run = out / "planner" / f"{name}-qlora-{gpus}"
-            config = cell_config(run, folder, "qlora", "fsdp", gpus, args)
-            try:
-                result = subprocess.run(plan_command(config, gpus), cwd=REPO, env=environment(args), text=True,
-                                        capture_output=True, timeout=args.budget.left())  # fmt: skip
-            except subprocess.TimeoutExpired:
-                report.add("planner", {**row, "status": "timeout (budget)"})
-                continue
-            if result.returncode != 0 or not (run / "plan.json").exists():
-                row["status"] = f"failed ({result.returncode}): {(result.stderr or result.stdout)[-300:]}"
-            else:
-                row["predicted_gib"] = predicted_gib(run / "plan.json", 1, args.length)
-                row["measured_gib"] = measured.get((name, gpus))
-                if row["predicted_gib"] and row["measured_gib"]:
-                    row["predicted_over_measured"] = round(row["predicted_gib"] / row["measured_gib"], 2)
-                row["status"] = "ok"
-            report.add("planner", row)
+        for method in args.methods:
+            for gpus in [g for g in args.gpus if g > 1]:
+                row = {"model": name, "layers": layers, "method": method, "gpus": gpus}
+                if args.budget.spent():
+                    report.add("planner", {**row, "status": "skipped (budget)"})
+                    continue
+                report.add("planner", dry_run(args, folder, method, gpus, out / "planner" / f"{name}-{method}-{gpus}",
+                                              {**row, "measured_gib": measured.get((name, method, gpus))}))  # fmt: skip
+
+
+def dry_run(args, folder: Path, method: str, gpus: int, run: Path, row: dict) -> dict:
+    """One planner row: the dry run's prediction for the FSDP cell's shape beside the measured peak."""
+    config = cell_config(run, folder, method, "fsdp", gpus, args)
+    try:
+        result = subprocess.run(plan_command(config, gpus), cwd=REPO, env=environment(args), text=True,
+                                capture_output=True, timeout=args.budget.left())  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {**row, "status": "timeout (budget)"}
+    if result.returncode != 0 or not (run / "plan.json").exists():
+        return {**row, "status": f"failed ({result.returncode}): {(result.stderr or result.stdout)[-300:]}"}
+    row["predicted_gib"] = predicted_gib(run / "plan.json", 1, args.length)
+    if row["predicted_gib"] and row["measured_gib"]:
+        row["predicted_over_measured"] = round(row["predicted_gib"] / row["measured_gib"], 2)
+    return {**row, "status": "ok"}
 
 
 def kill_tree(pid: int) -> None:
@@ -504,6 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="memory,equality,resume")
     parser.add_argument("--models", default="dense,glm_air", help="for every section that takes both")
     parser.add_argument("--methods", default="qlora,lora", help="for the memory section")
+    parser.add_argument(
+        "--modes", default="ddp,fsdp,ddp+fast", help="memory section: which of ddp, fsdp, ddp+fast to run"
+    )
+    parser.add_argument(
+        "--optimizer", default="adamw", help="optimization.optimizer of every cell (bitsandbytes' under FSDP)"
+    )
     parser.add_argument("--dense-layers", type=int, default=8)
     # one dense layer (GLM's first) and two MoE layers: the per-layer figure is the last (MoE) layer's
     parser.add_argument("--moe-layers", type=int, default=3)
@@ -516,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--smoke", action="store_true", help="CPU processes (gloo), tiny shapes: the script runs"
+    )
+    parser.add_argument(
+        "--measured", default=None, help="an earlier report.json whose memory rows the planner section reads"
     )
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--build-weights", nargs=2, metavar=("FOLDER", "DTYPE"), help=argparse.SUPPRESS)
@@ -534,9 +553,16 @@ def main(argv: list[str] | None = None) -> int:
         here = 2 if args.smoke else torch.cuda.device_count()
         args.gpus = [g for g in (1, 2, 4) if g <= here]
     args.methods = args.methods.split(",")
+    args.modes = args.modes.split(",")
+    unknown = set(args.modes) - {"ddp", "fsdp", "ddp+fast"}
+    if unknown:
+        parser.error(f"--modes: unknown {sorted(unknown)}; expected ddp, fsdp or ddp+fast")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out / "report.json", args)
+    if args.measured:  # the planner's measured peaks from an earlier call's memory section
+        for row in json.loads(Path(args.measured).read_text()).get("memory", []):
+            report.data.setdefault("memory", []).append(row)
     args.budget = Budget(args.budget)
     models_dir = out / "models"
     shapes = {
@@ -580,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         cols = [
             "model",
             "layers",
+            "method",
             "gpus",
             "predicted_gib",
             "measured_gib",

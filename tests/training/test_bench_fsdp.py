@@ -24,12 +24,18 @@ def load_bench():
 def test_cells_land_in_the_report_one_by_one_and_the_budget_skips_the_rest(tmp_path, monkeypatch):
     bench = load_bench()
     args = bench.argparse.Namespace(gpus=[1, 2], methods=["qlora"], smoke=False, steps=4, length=64, port=0)
+    args.modes = ["ddp", "fsdp", "ddp+fast"]
     models = {"dense": (tmp_path, 8, 32), "glm_air": (tmp_path, 3, 46)}
     assert bench.memory_cells(args, models) == [
         ("dense", "qlora", "ddp", 1), ("dense", "qlora", "fsdp", 2),
         ("glm_air", "qlora", "ddp", 1), ("glm_air", "qlora", "fsdp", 2),
         ("dense", "qlora", "ddp", 2), ("glm_air", "qlora", "ddp", 2),
         ("dense", "qlora", "ddp+fast", 1), ("glm_air", "qlora", "ddp+fast", 1),
+    ]  # fmt: skip
+    only_fsdp = bench.argparse.Namespace(**{**vars(args), "gpus": [2, 4], "modes": ["fsdp"]})
+    assert bench.memory_cells(only_fsdp, models) == [
+        ("dense", "qlora", "fsdp", 2), ("dense", "qlora", "fsdp", 4),
+        ("glm_air", "qlora", "fsdp", 2), ("glm_air", "qlora", "fsdp", 4),
     ]  # fmt: skip
 
     report = bench.Report(tmp_path / "report.json", args)
@@ -68,14 +74,19 @@ def test_planner_section_predicts_each_fsdp_cell_and_reads_it_against_the_measur
     against the memory section's FSDP row for the same model and GPU count."""
     bench = load_bench()
     args = bench.argparse.Namespace(
-        gpus=[1, 2], smoke=True, steps=2, length=64, port=0, budget=bench.Budget(600), models="dense"
+        gpus=[1, 2], smoke=True, steps=2, length=64, port=0, budget=bench.Budget(600), methods=["qlora"]
     )
     folder = bench.write_model(tmp_path / "models" / "dense8b", bench.DENSE_8B, 2, smoke=True)
     report = bench.Report(tmp_path / "report.json", args)
     report.add("memory", {"model": "dense", "method": "qlora", "mode": "fsdp", "gpus": 2, "peak_gib": 0.25})
     bench.planner(args, {"dense": (folder, 2, 32)}, tmp_path, report)
     (row,) = json.loads((tmp_path / "report.json").read_text())["planner"]
-    assert row["status"] == "ok" and row["gpus"] == 2 and row["measured_gib"] == 0.25
+    assert (
+        row["status"] == "ok"
+        and row["gpus"] == 2
+        and row["method"] == "qlora"
+        and row["measured_gib"] == 0.25
+    )
     assert row["predicted_gib"] > 0
     assert row["predicted_over_measured"] == round(row["predicted_gib"] / 0.25, 2)
     plan = json.loads((tmp_path / "planner" / "dense-qlora-2" / "plan.json").read_text())
@@ -85,7 +96,7 @@ def test_planner_section_predicts_each_fsdp_cell_and_reads_it_against_the_measur
 def test_planner_section_records_a_dry_run_the_budget_stopped(tmp_path, monkeypatch):
     bench = load_bench()
     args = bench.argparse.Namespace(
-        gpus=[2], smoke=True, steps=2, length=64, port=0, budget=bench.Budget(600)
+        gpus=[2], smoke=True, steps=2, length=64, port=0, budget=bench.Budget(600), methods=["qlora"]
     )
     report = bench.Report(tmp_path / "report.json", args)
 
@@ -96,3 +107,18 @@ def test_planner_section_records_a_dry_run_the_budget_stopped(tmp_path, monkeypa
     bench.planner(args, {"dense": (tmp_path, 2, 32)}, tmp_path, report)
     (row,) = json.loads((tmp_path / "report.json").read_text())["planner"]
     assert row["status"] == "timeout (budget)" and row["gpus"] == 2
+
+
+def test_full_model_figure_counts_what_each_method_keeps_per_left_out_parameter():
+    """QLoRA's left-out layers add their NF4 bytes; full fine-tuning adds weights, gradients and AdamW's
+    moments: bf16 under DDP, fp32 masters under FSDP (divided among the GPUs)."""
+    bench = load_bench()
+    gib = 2**30  # parameters in one layer: the layer left out adds 1 GiB per byte each parameter keeps
+    row = {"layers": 4, "peak_gib": 1.0}
+    assert bench.full_model_gib({**row, "method": "qlora", "mode": "ddp", "gpus": 1}, gib, 5) == 1.5
+    assert bench.full_model_gib({**row, "method": "full", "mode": "ddp", "gpus": 2}, gib, 5) == 9.0
+    assert bench.full_model_gib({**row, "method": "full", "mode": "fsdp", "gpus": 4}, gib, 5) == 5.0
+    assert (
+        bench.full_model_gib({**row, "method": "lora", "mode": "fsdp", "gpus": 2, "peak_gib": None}, gib, 5)
+        is None
+    )
