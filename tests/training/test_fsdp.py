@@ -33,6 +33,10 @@ from trainer.training import fsdp
         ),
         (["training.mixed_precision=fp16"], "training.mixed_precision: fp16's loss scaling"),
         (
+            ["optimization.optimizer=paged_adamw_8bit"],
+            "optimization.optimizer: paged_adamw_8bit: bitsandbytes' optimizers cannot step FSDP's sharded",
+        ),
+        (
             ["fsdp.activation_checkpointing=true", "memory.gradient_checkpointing=true"],
             "fsdp.activation_checkpointing: recomputes every decoder layer",
         ),
@@ -288,9 +292,14 @@ def test_planner_divides_the_sharded_state_not_the_activations_nor_the_head():
     optimizer.step()
     as_trained = sharded_state_mb(model, optimizer).sharded_mb
     assert as_trained == pytest.approx(2 * params_mb, rel=1e-3)
-    assert sharded_state_mb(model, optimizer, master_fp32=True).sharded_mb == pytest.approx(
-        4 * params_mb, rel=1e-3
-    )
+    masters = sharded_state_mb(model, optimizer, master_fp32=True)
+    assert masters.sharded_mb == pytest.approx(4 * params_mb, rel=1e-3)
+    assert masters.held_mb == pytest.approx(as_trained)
+    # the dry run's bf16 state leaves the peak whole, FSDP's fp32 state comes back divided: on 4 GPUs the
+    # prediction is the activations, a quarter of the fp32 state, and the gathered head and two layers
+    peak = activations + as_trained
+    gathered = 0.75 * (masters.head_mb + 2 * masters.layer_mb)
+    assert fsdp_per_gpu_mb(peak, masters, 4) == pytest.approx(activations + masters.sharded_mb / 4 + gathered)
 
 
 def test_info_names_how_many_gpus_fsdp_needs():

@@ -379,6 +379,13 @@ class Config:
                 f"lora.{key}",
                 blame,
             )
+        if self.optimization.optimizer != "adamw":
+            raise rule(
+                f"{self.optimization.optimizer}: bitsandbytes' optimizers cannot step FSDP's sharded (DTensor) "
+                "parameters (bitsandbytes#1633); use adamw, whose state FSDP already divides among the GPUs",
+                "optimization.optimizer",
+                blame,
+            )
         if self.training.mixed_precision == "fp16":
             raise rule(
                 "fp16's loss scaling is not kept in FSDP checkpoints here; use bf16 (or no)",

@@ -130,46 +130,55 @@ def tensor_mb(tensors) -> float:
 class ShardedState:
     """What one device's dry run says about FSDP's share of its memory (MB)."""
 
-    sharded_mb: float  # parameters, gradients and optimizer state: each rank holds 1/N of them
+    sharded_mb: float  # parameters, gradients and optimizer state as FSDP keeps them: each rank holds 1/N
     layer_mb: float  # the largest decoder layer's parameters, gathered whole while it runs
     head_mb: float  # the output head's parameters: gathered whole from the loss through backward's start
+    held_mb: float | None = None  # the same state as the dry run held it (None: as FSDP keeps it)
 
 
 def sharded_state_mb(model, optimizer, master_fp32: bool = False) -> ShardedState:
     """FSDP's share of a dry run's memory. ``master_fp32``: accelerate keeps FSDP's trainable parameters in
     fp32 under mixed precision (and so their gradients and optimizer state), whatever dtype they trained
-    in on one device."""
+    in on one device: full fine-tuning in bf16 holds twice the state under FSDP, before dividing it."""
     params = list(model.parameters())
     trainable = {id(p) for p in params if p.requires_grad}
 
-    def mb(tensor, owner) -> float:
-        size = tensor.element_size()
-        if master_fp32 and id(owner) in trainable and tensor.is_floating_point():
-            size = max(size, 4)
-        return tensor.numel() * size / 2**20
+    def state(upcast: bool) -> float:
+        def mb(tensor, owner) -> float:
+            size = tensor.element_size()
+            if upcast and id(owner) in trainable and tensor.is_floating_point():
+                size = max(size, 4)
+            return tensor.numel() * size / 2**20
 
-    total = sum(mb(p, p) for p in params)
-    total += sum(mb(p.grad, p) for p in params if p.grad is not None)
-    total += sum(
-        mb(v, p) for p, per_param in optimizer.state.items() for v in per_param.values() if torch.is_tensor(v)
-    )
+        total = sum(mb(p, p) for p in params)
+        total += sum(mb(p.grad, p) for p in params if p.grad is not None)
+        return total + sum(
+            mb(v, p)
+            for p, per_param in optimizer.state.items()
+            for v in per_param.values()
+            if torch.is_tensor(v)
+        )
+
     layers = [
         m for m in model.modules() if type(m).__name__ in set(getattr(model, "_no_split_modules", ()) or ())
     ]
     largest = max((tensor_mb(m.parameters()) for m in layers), default=0.0)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return ShardedState(total, largest, tensor_mb(head.parameters()) if head is not None else 0.0)
+    head_mb = tensor_mb(head.parameters()) if head is not None else 0.0
+    return ShardedState(state(master_fp32), largest, head_mb, held_mb=state(False))
 
 
 def fsdp_per_gpu_mb(peak_mb: float, state: ShardedState, gpus: int) -> float:
-    """One device's measured peak, predicted for each of ``gpus`` under FSDP: the sharded part divided by
-    ``gpus``, activations as measured, plus two gathered layers (the current one and the prefetched next).
-    The output head is not divided: accelerate keeps it gathered from the loss (where the peak usually is)
-    until backward starts (a 128k-vocabulary head of an 8B model: 1 GiB in bf16)."""
+    """One device's measured peak, predicted for each of ``gpus`` under FSDP: the state the dry run held
+    replaced by FSDP's (fp32 masters for full fine-tuning) divided by ``gpus``, activations as measured, plus
+    two gathered layers (the current one and the prefetched next). The output head is not divided:
+    accelerate keeps it gathered from the loss (where the peak usually is) until backward starts (a
+    128k-vocabulary head of an 8B model: 1 GiB in bf16)."""
     if gpus <= 1:
         return peak_mb
+    held = state.sharded_mb if state.held_mb is None else state.held_mb
     spread = 1 - 1 / gpus
-    return peak_mb - (state.sharded_mb - state.head_mb) * spread + 2 * state.layer_mb * spread
+    return peak_mb - held + state.sharded_mb / gpus + (state.head_mb + 2 * state.layer_mb) * spread
 
 
 def plan(

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.data.dataset import IGNORE, Sequence, collate, epoch_order
-from trainer.training import chunked_loss
+from trainer.training import chunked_loss, fsdp
 
 # ---------------------------------------------------------------- rows and micro-batches
 
@@ -244,8 +244,11 @@ class Step:
         aux_total = torch.zeros((), device=accelerator.device)
         input_tokens = sum(int(b["token_mask"].sum()) for b in batches)
         aux = None
+        # FSDP reduce-scatters every micro-batch's gradients: skipping that (no_sync) would hold each rank's
+        # whole unsharded gradients through the accumulation, undoing the sharding full fine-tuning needs.
+        sharded = fsdp.active(accelerator)
         for k, batch in enumerate(batches):
-            sync = k == len(batches) - 1 and not self.defer_grad_sync
+            sync = sharded or (k == len(batches) - 1 and not self.defer_grad_sync)
             with contextlib.nullcontext() if sync else accelerator.no_sync(self.model):
                 self.counter.start_micro_batch(batch["token_mask"])
                 ce_sum, aux = self.loss(self.model, batch, accelerator)
