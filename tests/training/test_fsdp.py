@@ -443,6 +443,41 @@ def test_lora_under_fsdp_equals_one_process_resumes_exactly_and_its_adapter_load
     assert (tmp_path / "export" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_sigterm_under_fsdp_saves_one_sharded_checkpoint_and_the_same_command_resumes_exactly(tmp_path):
+    """A scheduler's SIGTERM to every process of a two-rank FSDP run (scancel, preemption): the ranks agree on
+    one step, save its sharded checkpoint together and stop; the same command resumes from it to the
+    losses of one process."""
+    import psutil
+
+    one_cfg, one = llama_config(tmp_path, "one", {})
+    assert run_trainer("train", "--config", str(one_cfg)).returncode == 0
+    two_cfg, two = llama_config(tmp_path, "two", {"training": {"distributed": "fsdp", "save_steps": 100}})
+    proc = subprocess.Popen(
+        two_process_command(two_cfg), cwd=REPO, env=two_process_env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert wait_for(lambda: len(losses(two)) >= 2 or proc.poll() is not None)
+    launcher = psutil.Process(proc.pid)
+    for process in [launcher, *launcher.children(recursive=True)]:
+        process.send_signal(signal.SIGTERM)
+    proc.wait(timeout=300)
+
+    info = json.loads((two / "run.json").read_text())
+    assert info["status"] == "interrupted" and info["step"] < 6
+    events = list(iter_records(two / "logs" / runfolder.EVENTS_LOG))
+    assert [e["signal"] for e in events if e["event"] == "signal"] == ["SIGTERM"]  # one step, both ranks
+    saved = [e for e in events if e["event"] == "checkpoint_saved"]
+    assert [(e["kind"], e["step"]) for e in saved] == [("signal", info["step"])]
+    shards = two / f"checkpoint-{info['step']}" / "training_state" / "optimizer_0"
+    assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    resumed = launch_two(two_cfg)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {shards.parent.parent}" in resumed.stdout
+    assert_same_losses(losses(two), losses(one))
+
+
 def held_bytes(result) -> dict[int, int]:
     """Each rank's ``fsdp loading`` line: the weights it holds right before sharding."""
     import re

@@ -69,3 +69,43 @@ def test_micro_batches_interleave_ranks_and_split_rows():
     assert [b["input_ids"][:, 0].tolist() for b in rank1] == [[2, 3], [6, 7]]  # slices 1 and 3 of 4
     split = micro_batches(rows[:2], data, StepShape(1, 2, split_length=3), world=1, rank=0, pad_id=0)
     assert [b["input_ids"].shape[1] for b in split] == [3, 3, 2, 3, 3, 2]  # every token kept, one piece each
+
+
+class CountingAccelerator(CpuAccelerator):
+    """Two ranks' bookkeeping on one process: records which micro-batches skip the gradient sync."""
+
+    num_processes, process_index = 2, 0
+
+    def __init__(self, distributed_type):
+        self.distributed_type, self.skipped = distributed_type, 0
+
+    def reduce(self, tensor, op):
+        return tensor * 2
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        self.skipped += 1
+        yield
+
+    def backward(self, loss):
+        loss.backward()
+
+
+def test_fsdp_syncs_every_micro_batch_where_ddp_syncs_only_the_last():
+    """DDP all-reduces once per step (no_sync before); FSDP reduce-scatters each micro-batch, since no_sync
+    would hold every rank's whole unsharded gradients through the accumulation."""
+    from accelerate.utils import DistributedType
+
+    from trainer.training.step import Step
+
+    rows = [Sequence([1, 2, 3, 4], [1, 2, 3, 4], [0, 1, 2, 3]) for _ in range(8)]
+    counter = SimpleNamespace(start_micro_batch=lambda mask: None)
+    family = SimpleNamespace(model_inputs=lambda batch: {"input_ids": batch["input_ids"]})
+    skipped = {}
+    for kind in (DistributedType.MULTI_GPU, DistributedType.FSDP):
+        model = TinyLM()
+        accelerator = CountingAccelerator(kind)
+        step = Step(model, accelerator, reference_kernels(model, family).loss, counter, 0.0, rows, 0)
+        step(list(range(8)), StepShape(micro=1, accum=4))
+        skipped[kind] = accelerator.skipped
+    assert skipped == {DistributedType.MULTI_GPU: 3, DistributedType.FSDP: 0}
