@@ -163,3 +163,47 @@ def test_oom_demo_has_rows_for_every_process(tmp_path):
     shipped = (REPO / "data" / "tiny_corpus.jsonl").read_text().splitlines()
     assert module.corpus(tmp_path, 1) == REPO / "data" / "tiny_corpus.jsonl"
     assert module.corpus(tmp_path, 2).read_text().splitlines() == shipped * 2
+
+
+def test_the_oom_message_names_the_checkpoint_that_holds_the_run():
+    """Only a checkpoint every rank saved together is named as the last completed step; otherwise the
+    message points at the latest periodic one, and under FSDP says the ranks are not coordinated."""
+    from tests.helpers import REPO
+    from trainer.config import load_config
+    from trainer.training.oom_retry import oom_failure
+
+    ddp = load_config(REPO / "training_config.yaml", ["training.save_steps=50"])
+    sharded = load_config(
+        REPO / "training_config.yaml", ["training.save_steps=50", "training.distributed=fsdp"]
+    )
+    shape = StepShape(2, 4)
+    assert "checkpoint-6 holds the last completed step" in str(oom_failure(6, shape, ddp, 1))
+    assert "on one of the ranks at step 7" in str(oom_failure(6, shape, ddp, 2, coordinated=True))
+    assert "no step had completed" in str(oom_failure(0, shape, ddp, 1))
+    message = str(oom_failure(6, shape, sharded, 2))
+    assert "out of memory (under FSDP the fallback does not coordinate the ranks) at step 7" in message
+    assert "checkpoint-6" not in message
+    assert "the latest checkpoint (one every training.save_steps=50) holds the run; --resume" in message
+
+
+@pytest.mark.slow
+def test_oom_under_fsdp_fails_with_the_message_and_the_run_resumes_from_its_checkpoint(
+    write_config, tmp_path
+):
+    """A rank out of memory under FSDP (no coordinated fallback): the run stops with the message on every
+    rank, the periodic checkpoint before it is intact, and --resume finishes the run from there."""
+    extra = {
+        "lora": {"dropout": 0.0},
+        "training": {"distributed": "fsdp", "max_steps": 4, "save_steps": 2},
+        "eval": {"interval": 100, "at_end": False},
+    }
+    config = write_config(extra)
+    result = launch_two_ranks(config, "train:3@1")
+    assert result.returncode != 0
+    assert "under FSDP the fallback does not coordinate the ranks) at step 3" in result.stderr
+    run = tmp_path / "run"
+    assert (run / "checkpoint-2" / "training_state" / "optimizer_0" / "__1_0.distcp").is_file()
+    resumed = launch_two_ranks(config)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {run / 'checkpoint-2'}" in resumed.stdout
+    assert sorted(losses(run)) == [1, 2, 3, 4]

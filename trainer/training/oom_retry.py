@@ -59,16 +59,28 @@ def shrink(shape: StepShape, max_length: int) -> StepShape | None:
 def oom_failure(
     step: int, shape: StepShape, cfg: Config, world: int, coordinated: bool = False
 ) -> OutOfMemoryAfterRetries:
-    """The error for an OOM the fallback cannot absorb: out of retries, of room to shrink, or switched off."""
-    where = (
-        "" if world == 1 else " on one of the ranks" if coordinated
-        else " (several processes: the fallback covers LoRA and QLoRA runs with memory.oom_fallback on)"
-    )  # fmt: skip
+    """The error for an OOM the fallback cannot absorb: out of retries, of room to shrink, or switched off.
+    It says which checkpoint holds the run: step ``step``'s when every rank could save it together (one
+    process, or ranks that agreed), else the last one ``training.save_steps`` wrote."""
+    if world == 1 or coordinated:
+        where = "" if world == 1 else " on one of the ranks"
+    elif cfg.training.distributed == "fsdp":
+        where = " (under FSDP the fallback does not coordinate the ranks)"
+    else:
+        where = " (several processes: the fallback covers LoRA and QLoRA runs with memory.oom_fallback on)"
+    if step == 0:
+        kept = "no step had completed"
+    elif world == 1 or coordinated:
+        kept = f"checkpoint-{step} holds the last completed step"
+    else:
+        kept = (
+            f"the latest checkpoint (one every training.save_steps={cfg.training.save_steps}) holds the run; "
+            "--resume continues from it"
+        )
     return OutOfMemoryAfterRetries(
         f"out of memory{where} at step {step + 1} with micro_batch_size={shape.micro}, "
         f"gradient_accumulation_steps={shape.accum}, split length {shape.split_length or cfg.data.max_length}; "
-        f"checkpoint-{step} holds the last completed step. Lower training.micro_batch_size or data.max_length, "
-        "or enable memory.gradient_checkpointing"
+        f"{kept}. Lower training.micro_batch_size or data.max_length, or enable memory.gradient_checkpointing"
     )
 
 
