@@ -704,3 +704,42 @@ def test_lora_loaded_in_shards_holds_half_per_rank_and_trains_as_one_process(tmp
         tmp_path, "loaded", deep_merge(extra, {"fsdp": {"cpu_ram_efficient_loading": True}})
     )
     assert_loaded_in_shards(loaded_cfg, loaded, one, whole, slack=64 * 1024)
+
+
+@pytest.mark.slow
+def test_full_fine_tune_loaded_in_shards_holds_half_per_rank_and_trains_as_one_process(tmp_path):
+    """Full fine-tuning with fsdp.cpu_ram_efficient_loading: each rank keeps half the weights while loading
+    (every weight a stand-in until FSDP cuts it), the optimizer finds the sharded parameters by name, and the
+    losses and consolidated model are one process's."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    shutil.copytree(REPO / "configs" / "tiny-llama", base)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base)).save_pretrained(base)
+    extra = {
+        "model": {"dtype": "fp32", "name_or_path": str(base), "random_init": False},
+        "training": {"method": "full", "distributed": "fsdp", "max_steps": 3, "save_steps": 3},
+        "eval": {"interval": 100},
+    }
+    one_cfg, one = llama_config(tmp_path, "one", extra)
+    result = run_trainer("train", "--config", str(one_cfg))
+    assert result.returncode == 0, result.stderr[-3000:]
+    whole = held_bytes(result)[0]
+    loaded_cfg, loaded = llama_config(
+        tmp_path, "loaded", deep_merge(extra, {"fsdp": {"cpu_ram_efficient_loading": True}})
+    )
+    in_shards = launch_two(loaded_cfg)
+    assert in_shards.returncode == 0, in_shards.stderr[-3000:]
+    assert "loaded in shards" in in_shards.stdout
+    held = held_bytes(in_shards)
+    assert sorted(held) == [0, 1] and all(whole / 2 <= b < whole / 2 + 64 * 1024 for b in held.values()), held
+    assert_same_losses(losses(loaded), losses(one))
+    model = load_file(str(loaded / "final-checkpoint-3" / "model.safetensors"))
+    reference = load_file(str(one / "final-checkpoint-3" / "model.safetensors"))
+    assert sorted(model) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.allclose(model[name], tensor, atol=1e-5), name

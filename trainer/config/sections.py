@@ -284,9 +284,8 @@ class FsdpConfig:
     # Recompute each decoder layer in backward, applied by FSDP around the wrapped layers (instead of
     # memory.gradient_checkpointing, which the model applies itself).
     activation_checkpointing: Bool = False
-    # QLoRA: every rank quantizes one tensor at a time and keeps only its own shard, so none holds the whole
-    # model (trainer/model/sharded_loading.py). 16-bit: accelerate's rank-0 broadcast, which under
-    # transformers 5 still reads the whole model into each rank's host memory first (docs/fsdp.md, Limits).
+    # Every rank loads (QLoRA: quantizes) one tensor at a time and keeps only its own shard, so none holds the
+    # whole model (trainer/model/sharded_loading.py): QLoRA, LoRA and full fine-tuning.
     cpu_ram_efficient_loading: Bool = False
     # The module classes that become one FSDP unit each; null: the model's decoder layer (_no_split_modules).
     wrap_classes: list[Str] | None = None

@@ -178,15 +178,10 @@ def cuda_index(device: torch.device) -> int:
 
 
 def sharded_loading(cfg: Config) -> ShardedLoad | None:
-    """QLoRA and LoRA under FSDP with ``fsdp.cpu_ram_efficient_loading`` on several processes: each rank keeps
-    only its shard of every weight while loading (trainer/model/sharded_loading.py). Full fine-tuning takes
-    accelerate's way instead (rank 0 reads, the others receive their shards): its optimizer is mapped to the
-    parameters by address, which the stand-ins of sharded loading do not keep."""
-    if not (
-        cfg.training.distributed == "fsdp"
-        and cfg.fsdp.cpu_ram_efficient_loading
-        and cfg.training.method in ("qlora", "lora")
-    ):
+    """QLoRA, LoRA and full fine-tuning under FSDP with ``fsdp.cpu_ram_efficient_loading`` on several
+    processes: each rank keeps only its shard of every weight while loading (trainer/model/sharded_loading.py;
+    the optimizer finds the sharded parameters by name, trainer/training/fsdp.py ``remap_optimizer``)."""
+    if not (cfg.training.distributed == "fsdp" and cfg.fsdp.cpu_ram_efficient_loading):
         return None
     import torch.distributed as dist
 

@@ -49,9 +49,9 @@ def make_plugin(cfg: Config):
             reshard_after_forward=f.reshard_after_forward,
             cpu_offload=f.cpu_offload,
             activation_checkpointing=f.activation_checkpointing,
-            # accelerate's way (rank 0 reads, the others receive) is left to full fine-tuning; QLoRA and LoRA
-            # are loaded in shards by the kit itself (trainer/model/sharded_loading.py)
-            cpu_ram_efficient_loading=f.cpu_ram_efficient_loading and cfg.training.method == "full",
+            # not accelerate's rank-0 broadcast: with transformers 5 every rank still reads the whole model
+            # first; the kit loads in shards itself (trainer/model/sharded_loading.py)
+            cpu_ram_efficient_loading=False,
             auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=list(f.wrap_classes) if f.wrap_classes else None,
             # Each rank writes its shard of the training state (torch.distributed.checkpoint); the weights are
@@ -135,6 +135,28 @@ def after_prepare(model: torch.nn.Module) -> bool:
         return False  # tied: one unit with the head, which backward needs
     embedding.set_unshard_in_backward(False)
     return True
+
+
+def optimizer_names(model: torch.nn.Module, optimizer) -> list[list[str]]:
+    """Each parameter group's parameters by name, read before ``prepare``. accelerate maps an optimizer onto
+    the sharded parameters by data address, and the meta stand-ins of sharded loading all have address 0."""
+    from accelerate.utils.fsdp_utils import fsdp2_canonicalize_names
+
+    names = {id(p): n for n, p in fsdp2_canonicalize_names(dict(model.named_parameters())).items()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def remap_optimizer(model: torch.nn.Module, optimizer, names: list[list[str]]) -> None:
+    """After ``prepare``: point each parameter group at the sharded parameters of the names
+    ``optimizer_names`` read (the optimizer has taken no step, so it holds no state to move)."""
+    from accelerate.utils.fsdp_utils import fsdp2_canonicalize_names
+
+    sharded = fsdp2_canonicalize_names(dict(model.named_parameters()))
+    missing = [n for group in names for n in group if n not in sharded]
+    if missing:
+        raise RuntimeError(f"sharded loading: parameters missing after sharding: {missing[:5]}")
+    for group, group_names in zip(optimizer.param_groups, names, strict=True):
+        group["params"] = [sharded[n] for n in group_names]
 
 
 def parameter_bytes(model: torch.nn.Module) -> dict[str, dict[str, int]]:

@@ -96,13 +96,16 @@ def count_steps(cfg: Config, train_rows: int, world: int) -> int:
     return cfg.training.max_steps or math.ceil(cfg.training.num_epochs * steps_per_epoch)
 
 
-def setup_optimizer(model, cfg: Config, accelerator, total_steps: int):
+def setup_optimizer(model, cfg: Config, accelerator, total_steps: int, loaded_in_shards: bool = False):
     """Optimizer and schedule, prepared by accelerate; its checkpoints hold them but not the weights."""
     optimizer = make_optimizer(model, cfg, accelerator.device.type == "cuda")
     scheduler = make_scheduler(optimizer, cfg, total_steps)
+    names = fsdp.optimizer_names(model, optimizer) if loaded_in_shards else None
     if fsdp.active(accelerator):
         fsdp.prepare_wrapping(accelerator, model, cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if names is not None:
+        fsdp.remap_optimizer(model, optimizer, names)
     if fsdp.active(accelerator):
         fsdp.after_prepare(model)
     accelerator.register_for_checkpointing(scheduler)
@@ -152,9 +155,9 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
     if fsdp.wanted(cfg):
         print(fsdp.loading_line(accelerator, loaded.model, loaded.shards), flush=True)
     model, optimizer, scheduler = setup_optimizer(
-        kernels.prepare(loaded.model), cfg, accelerator, total_steps
+        kernels.prepare(loaded.model), cfg, accelerator, total_steps, loaded.shards is not None
     )
-    if loaded.shards is not None:  # QLoRA loaded in shards: each rank fills its own now that FSDP cut them
+    if loaded.shards is not None:  # loaded in shards: each rank fills its own now that FSDP cut them
         fsdp.fill_loaded_shards(accelerator, loaded.shards, cfg.fsdp.cpu_offload)
     if fsdp.active(accelerator):
         print(fsdp.sharded_line(accelerator, model), flush=True)
