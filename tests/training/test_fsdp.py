@@ -487,7 +487,7 @@ def held_bytes(result) -> dict[int, int]:
     }
 
 
-def assert_loaded_in_shards(config, run, one, whole: int, slack: int) -> None:
+def assert_loaded_in_shards(config, run, one, whole: int, slack: int, weights: str = "adapter_model") -> None:
     """Two ranks loading in shards: each holds half of one process's weight bytes (plus ``slack``) before
     sharding, and the losses and the consolidated adapter are the one-process run's."""
     from safetensors.torch import load_file
@@ -498,8 +498,8 @@ def assert_loaded_in_shards(config, run, one, whole: int, slack: int) -> None:
     held = held_bytes(in_shards)
     assert sorted(held) == [0, 1] and all(whole / 2 < b < whole / 2 + slack for b in held.values()), held
     assert_same_losses(losses(run), losses(one))
-    adapter = load_file(str(run / "final-checkpoint-3" / "adapter_model.safetensors"))
-    reference = load_file(str(one / "final-checkpoint-3" / "adapter_model.safetensors"))
+    adapter = load_file(str(run / "final-checkpoint-3" / f"{weights}.safetensors"))
+    reference = load_file(str(one / "final-checkpoint-3" / f"{weights}.safetensors"))
     assert sorted(adapter) == sorted(reference)
     for key, tensor in reference.items():
         assert torch.allclose(adapter[key], tensor, atol=1e-5), key
@@ -680,9 +680,14 @@ def test_a_checkpoint_saved_without_fsdp_is_refused_under_fsdp(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_lora_loaded_in_shards_holds_half_per_rank_and_trains_as_one_process(tmp_path):
-    """LoRA (16-bit base) with fsdp.cpu_ram_efficient_loading: each of two ranks keeps only its shard of
-    every weight while loading, and the losses and adapter are one process's."""
+@pytest.mark.parametrize("method, weights", [("lora", "adapter_model"), ("full", "model")])
+def test_a_16bit_model_loaded_in_shards_holds_half_per_rank_and_trains_as_one_process(
+    tmp_path, method, weights
+):
+    """LoRA's 16-bit base, or full fine-tuning's weights, with fsdp.cpu_ram_efficient_loading: each of two
+    ranks keeps only its shard of every weight while loading, and the losses and the consolidated adapter or
+    model are one process's. Full fine-tuning trains every stand-in: the optimizer finds the sharded
+    parameters by name (without that the run fails)."""
     import shutil
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -693,7 +698,7 @@ def test_lora_loaded_in_shards_holds_half_per_rank_and_trains_as_one_process(tmp
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base)).save_pretrained(base)
     extra = {
         "model": {"dtype": "fp32", "name_or_path": str(base), "random_init": False},
-        "training": {"distributed": "fsdp", "max_steps": 3, "save_steps": 3},
+        "training": {"method": method, "distributed": "fsdp", "max_steps": 3, "save_steps": 3},
         "eval": {"interval": 100},
     }
     one_cfg, one = llama_config(tmp_path, "one", extra)
@@ -703,43 +708,4 @@ def test_lora_loaded_in_shards_holds_half_per_rank_and_trains_as_one_process(tmp
     loaded_cfg, loaded = llama_config(
         tmp_path, "loaded", deep_merge(extra, {"fsdp": {"cpu_ram_efficient_loading": True}})
     )
-    assert_loaded_in_shards(loaded_cfg, loaded, one, whole, slack=64 * 1024)
-
-
-@pytest.mark.slow
-def test_full_fine_tune_loaded_in_shards_holds_half_per_rank_and_trains_as_one_process(tmp_path):
-    """Full fine-tuning with fsdp.cpu_ram_efficient_loading: each rank keeps half the weights while loading
-    (every weight a stand-in until FSDP cuts it), the optimizer finds the sharded parameters by name, and the
-    losses and consolidated model are one process's."""
-    import shutil
-
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    base = tmp_path / "base"
-    shutil.copytree(REPO / "configs" / "tiny-llama", base)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base)).save_pretrained(base)
-    extra = {
-        "model": {"dtype": "fp32", "name_or_path": str(base), "random_init": False},
-        "training": {"method": "full", "distributed": "fsdp", "max_steps": 3, "save_steps": 3},
-        "eval": {"interval": 100},
-    }
-    one_cfg, one = llama_config(tmp_path, "one", extra)
-    result = run_trainer("train", "--config", str(one_cfg))
-    assert result.returncode == 0, result.stderr[-3000:]
-    whole = held_bytes(result)[0]
-    loaded_cfg, loaded = llama_config(
-        tmp_path, "loaded", deep_merge(extra, {"fsdp": {"cpu_ram_efficient_loading": True}})
-    )
-    in_shards = launch_two(loaded_cfg)
-    assert in_shards.returncode == 0, in_shards.stderr[-3000:]
-    assert "loaded in shards" in in_shards.stdout
-    held = held_bytes(in_shards)
-    assert sorted(held) == [0, 1] and all(whole / 2 <= b < whole / 2 + 64 * 1024 for b in held.values()), held
-    assert_same_losses(losses(loaded), losses(one))
-    model = load_file(str(loaded / "final-checkpoint-3" / "model.safetensors"))
-    reference = load_file(str(one / "final-checkpoint-3" / "model.safetensors"))
-    assert sorted(model) == sorted(reference)
-    for name, tensor in reference.items():
-        assert torch.allclose(model[name], tensor, atol=1e-5), name
+    assert_loaded_in_shards(loaded_cfg, loaded, one, whole, slack=64 * 1024, weights=weights)
