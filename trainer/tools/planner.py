@@ -133,7 +133,9 @@ class ShardedState:
     sharded_mb: float  # parameters, gradients and optimizer state as FSDP keeps them: each rank holds 1/N
     layer_mb: float  # the largest decoder layer's parameters, gathered whole while it runs
     head_mb: float  # the output head's parameters: gathered whole from the loss through backward's start
-    held_mb: float | None = None  # the same state as the dry run held it (None: as FSDP keeps it)
+    held_mb: (
+        float  # the same state as the dry run held it (less than sharded_mb where FSDP keeps fp32 masters)
+    )
 
 
 def sharded_state_mb(model, optimizer, master_fp32: bool = False) -> ShardedState:
@@ -165,7 +167,7 @@ def sharded_state_mb(model, optimizer, master_fp32: bool = False) -> ShardedStat
     largest = max((tensor_mb(m.parameters()) for m in layers), default=0.0)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_mb = tensor_mb(head.parameters()) if head is not None else 0.0
-    return ShardedState(state(master_fp32), largest, head_mb, held_mb=state(False))
+    return ShardedState(state(master_fp32), largest, head_mb, state(False))
 
 
 def fsdp_per_gpu_mb(peak_mb: float, state: ShardedState, gpus: int) -> float:
@@ -176,9 +178,8 @@ def fsdp_per_gpu_mb(peak_mb: float, state: ShardedState, gpus: int) -> float:
     128k-vocabulary head of an 8B model: 1 GiB in bf16)."""
     if gpus <= 1:
         return peak_mb
-    held = state.sharded_mb if state.held_mb is None else state.held_mb
     spread = 1 - 1 / gpus
-    return peak_mb - held + state.sharded_mb / gpus + (state.head_mb + 2 * state.layer_mb) * spread
+    return peak_mb - state.held_mb + state.sharded_mb / gpus + (state.head_mb + 2 * state.layer_mb) * spread
 
 
 def plan(
