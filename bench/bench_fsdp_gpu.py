@@ -412,6 +412,12 @@ def planner(args, models: dict, out: Path, report: Report) -> None:
                                               {**row, "measured_gib": measured.get((name, method, gpus))}))  # fmt: skip
 
 
+def earlier_memory_rows(report_json: Path) -> list[dict]:
+    """--measured: the memory rows of an earlier call's report.json, which the planner section reads as the
+    measured peaks (a call too short for both sections measures first, then predicts)."""
+    return json.loads(report_json.read_text()).get("memory", [])
+
+
 def dry_run(args, folder: Path, method: str, gpus: int, run: Path, row: dict) -> dict:
     """One planner row: the dry run's prediction for the FSDP cell's shape beside the measured peak."""
     config = cell_config(run, folder, method, "fsdp", gpus, args)
@@ -560,9 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out / "report.json", args)
-    if args.measured:  # the planner's measured peaks from an earlier call's memory section
-        for row in json.loads(Path(args.measured).read_text()).get("memory", []):
-            report.data.setdefault("memory", []).append(row)
+    if args.measured:
+        report.data["memory"] = earlier_memory_rows(Path(args.measured))
     args.budget = Budget(args.budget)
     models_dir = out / "models"
     shapes = {

@@ -122,3 +122,21 @@ def test_full_model_figure_counts_what_each_method_keeps_per_left_out_parameter(
         bench.full_model_gib({**row, "method": "lora", "mode": "fsdp", "gpus": 2, "peak_gib": None}, gib, 5)
         is None
     )
+
+
+def test_cells_take_the_optimizer_and_bad_modes_are_refused(tmp_path, capsys):
+    bench = load_bench()
+    args = bench.argparse.Namespace(smoke=False, steps=4, length=64, optimizer="adamw_8bit")
+    config = bench.cell_config(tmp_path / "cell", tmp_path, "full", "fsdp", 2, args)
+    assert bench.yaml.safe_load(config.read_text())["optimization"]["optimizer"] == "adamw_8bit"
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--out", str(tmp_path / "out"), "--gpus", "2", "--modes", "fsdp,zero3"])
+    assert info.value.code == 2
+    assert "--modes: unknown ['zero3']; expected ddp, fsdp or ddp+fast" in capsys.readouterr().err
+
+
+def test_the_planner_reads_measured_peaks_from_an_earlier_report(tmp_path):
+    bench = load_bench()
+    row = {"model": "dense", "method": "lora", "mode": "fsdp", "gpus": 2, "peak_gib": 5.87}
+    (tmp_path / "earlier.json").write_text(json.dumps({"args": {}, "memory": [row]}))
+    assert bench.earlier_memory_rows(tmp_path / "earlier.json") == [row]
