@@ -263,3 +263,77 @@ def test_readme_opens_with_the_two_commands():
     assert "./run_tests.sh" in (REPO / ".ci" / "run").read_text()
     for script in ("launch_training.sh", "run_tests.sh", "launch_dashboard.sh", ".ci/run"):
         assert (REPO / script).stat().st_mode & 0o111, f"{script} is not executable"
+
+
+def _enum_keys_with_boolean_words():
+    """Every (section, key, word) where a key's choices include a word YAML 1.1 reads as a boolean."""
+    from trainer.config.sections import SECTIONS
+    from trainer.config.yaml_booleans import SPELLINGS, enum_words
+
+    cases = []
+    for section, section_type in SECTIONS.items():
+        for key, meaning in enum_words(section_type).items():
+            for value, word in meaning.items():
+                for spelling in SPELLINGS[value]:
+                    cases.append((section, key, spelling, word))
+    return cases
+
+
+ENUM_BOOLEAN_CASES = _enum_keys_with_boolean_words()
+
+
+def test_the_enum_keys_that_take_yaml_booleans_are_found():
+    found = {(section, key, word) for section, key, _, word in ENUM_BOOLEAN_CASES}
+    assert ("performance", "fast_path", "off") in found
+    assert ("performance", "fast_path", "on") in found
+    assert ("training", "mixed_precision", "no") in found
+
+
+@pytest.mark.parametrize("section, key, spelling, word", ENUM_BOOLEAN_CASES)
+def test_yaml_boolean_spellings_mean_the_enum_word(tmp_path, section, key, spelling, word):
+    """``fast_path: off`` in a file and ``--set training.mixed_precision=no`` both mean the word written."""
+    import dataclasses
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {key}: {spelling}\n")
+    from_file = getattr(getattr(load_config(path), section), key)
+    from_set = getattr(
+        getattr(load_config(REPO / "training_config.yaml", [f"{section}.{key}={spelling}"]), section), key
+    )
+    assert from_file == from_set
+    value = from_file[0] if isinstance(from_file, list) else from_file
+    assert value == word
+    assert dataclasses.is_dataclass(getattr(load_config(path), section))
+
+
+def test_a_boolean_for_an_enum_without_that_word_is_still_refused_on_one_line():
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "training_config.yaml", ["training.mixed_precision=yes"])
+    message = str(info.value)
+    assert "training.mixed_precision: expected one of 'no', 'bf16', 'fp16'" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("text", ["", "   \n\n", "# only a comment\n# and another\n"])
+def test_an_empty_config_file_is_refused(tmp_path, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"empty.yaml: the config file is empty") as info:
+        load_config(path)
+    assert "\n" not in str(info.value)
+
+
+def test_an_empty_config_file_exits_2_and_trains_nothing(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing here\n")
+    result = run_trainer("train", "--config", str(path), "--set", f"paths.output_dir={tmp_path / 'run'}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "the config file is empty" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_that_sets_one_key_is_fine(tmp_path):
+    path = tmp_path / "one.yaml"
+    path.write_text("training:\n  max_steps: 3\n")
+    assert load_config(path).training.max_steps == 3

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from trainer.config.errors import ConfigError, KeyPath, Problem, describe, suggest_key
 from trainer.config.sections import CONFIG_ADAPTER, SECTIONS, Config
+from trainer.config.yaml_booleans import enum_booleans
 from trainer.config.yamlfile import read_yaml
 
 
@@ -32,6 +33,7 @@ def _build(raw: Any, where) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"{where(())}: expected a mapping of sections at the top level")
     raw = {str(section): _str_keys({} if values is None else values) for section, values in raw.items()}
+    raw = enum_booleans(raw, SECTIONS)
     try:
         return CONFIG_ADAPTER.validate_python(raw)
     except ValidationError as exc:
@@ -66,7 +68,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         raw, lines = read_yaml(path, ConfigError, what="config file")
         origins = {key: f"{path}:{line}" for key, line in lines.items()}
         origins[()] = str(path)
-        raw = {} if raw is None else raw
+        if raw is None:  # a truncated or wrong file must not quietly become the embedded default run
+            raise ConfigError(
+                f"{path}: the config file is empty (expected sections such as paths:, model:, training:; "
+                "leave --config out to train the embedded default)"
+            )
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     for text in overrides:
