@@ -1,10 +1,13 @@
-"""Regenerate the shipped tiny assets: a synthetic corpus, instruction pairs, and an offline tokenizer.
+"""Regenerate the shipped tiny assets: a synthetic corpus, instruction pairs, chat records, offline tokenizers.
 
 Everything the default run needs must exist without network access, so the corpus is generated
 (no licence question) and the tokenizer is a byte-level BPE trained on it. The text has enough
 structure (templated facts about made-up towns) that a tiny model's loss falls visibly in minutes.
 
     python data/make_tiny_assets.py          # rewrites data/*.jsonl and the tokenizer in configs/tiny-*/
+
+The chat records come from their own random stream and stay out of the tokenizer's training text, so
+adding them changed neither the corpus, the instructions nor the tokenizers.
 """
 
 from __future__ import annotations
@@ -59,6 +62,36 @@ def instruction(rng: random.Random) -> dict:
     return {"prompt": f"Question: {prompt}\nAnswer:", "response": f" {response}"}
 
 
+def chat_exchange(rng: random.Random) -> tuple[str, str]:
+    """One question about the tiny world and its answer."""
+    name, town, job = rng.choice(NAMES), rng.choice(TOWNS), rng.choice(JOBS)
+    a, b = rng.randint(0, 5), rng.randint(0, 5)
+    choices = [
+        (f"What is {NUMBER_WORDS[a]} plus {NUMBER_WORDS[b]}?", f"{NUMBER_WORDS[a + b].capitalize()}."),
+        (f"What does a {job} make?", f"A {job} makes {THINGS[JOBS.index(job)]}."),
+        (f"{name} lives in {town}. Where does {name} live?", f"{name} lives in {town}."),
+        (f"{name} works as a {job} in {town}. What is {name}'s job?", f"{name} is a {job}."),
+    ]
+    return rng.choice(choices)
+
+
+def chat_record(rng: random.Random, number: int) -> dict:
+    """A conversation: mostly OpenAI-style messages, some ShareGPT, some multi-turn, a few with a system
+    turn, and two (numbers 57 and 143: lines 58 and 144) with no assistant turn, which a trainer skips."""
+    turns = []
+    if rng.random() < 0.1:
+        turns.append({"role": "system", "content": "You answer in one short sentence."})
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        question, answer = chat_exchange(rng)
+        turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    if number in (57, 143):
+        turns = [turn for turn in turns if turn["role"] != "assistant"]
+    if number % 10 == 3:
+        names = {"system": "system", "user": "human", "assistant": "gpt"}
+        return {"conversations": [{"from": names[t["role"]], "value": t["content"]} for t in turns]}
+    return {"messages": turns}
+
+
 def write_jsonl(path: Path, records: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as handle:
         for record in records:
@@ -93,13 +126,18 @@ def main() -> None:
     rng = random.Random(SEED)
     corpus = [{"text": document(rng)} for _ in range(2400)]
     instructions = [instruction(rng) for _ in range(600)]
+    chat_rng = random.Random(f"{SEED}-chat")
+    chats = [chat_record(chat_rng, number) for number in range(200)]
     write_jsonl(ROOT / "data" / "tiny_corpus.jsonl", corpus)
     write_jsonl(ROOT / "data" / "tiny_instructions.jsonl", instructions)
+    write_jsonl(ROOT / "data" / "tiny_chat.jsonl", chats)
     texts = [r["text"] for r in corpus] + [r["prompt"] + r["response"] for r in instructions]
     for model_dir in sorted((ROOT / "configs").glob("tiny-*")):
         if (model_dir / "config.json").exists():
             train_tokenizer(texts, model_dir)
-    print(f"wrote {len(corpus)} documents, {len(instructions)} instruction pairs, tokenizers")
+    print(
+        f"wrote {len(corpus)} documents, {len(instructions)} instruction pairs, {len(chats)} chats, tokenizers"
+    )
 
 
 if __name__ == "__main__":

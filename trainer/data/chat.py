@@ -1,0 +1,229 @@
+"""Chat records: find a record's turns, render them with a chat template, learn the assistant turns only.
+
+A record holds its turns in ``data.messages_field`` (OpenAI style, ``{"role", "content"}``) or in
+ShareGPT's ``conversations`` (``{"from", "value"}``); both become one list of ``{"role", "content"}``
+dicts. The whole conversation is rendered once by the chat template and tokenized once; the labels
+keep the tokens of each assistant turn (its content and the template's end-of-turn marker, so the
+model learns to stop) and are ``IGNORE`` everywhere else.
+
+Where an assistant turn sits in the text is found by rendering prefixes of the conversation, as TRL
+and torchtune do, so any template works that renders a conversation as its earlier turns followed by
+the later ones ("prefix-stable"): turn k spans from the end of ``render(turns[:k],
+add_generation_prompt=True)`` to the end of ``render(turns[:k + 1])``, less trailing whitespace (the
+newline between turns is not learned). A template that is not prefix-stable is refused with
+``ChatTemplateError``; a record that cannot train raises ``ChatSkip`` with the reason.
+
+Nothing is added beyond what the template renders: no BOS, no EOS (``data.add_eos`` does not apply to
+chat); a template that wants them writes ``{{ bos_token }}`` / ``{{ eos_token }}`` itself.
+
+Torch-free: transformers' fast tokenizers and their Jinja renderer only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jinja2 import TemplateError, TemplateSyntaxError
+
+IGNORE = -100  # the label of a token that is not learned (torch's cross-entropy ignore_index)
+
+# ChatML, used when data.chat_template is null and the tokenizer has no chat_template. Each turn is
+# "<|im_start|>{role}\n{content}<|im_end|>\n"; the generation prompt is "<|im_start|>assistant\n".
+# No BOS or EOS: for a tokenizer without ChatML's markers as special tokens they are ordinary text,
+# and a model trained on it stops by writing "<|im_end|>".
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+SHAREGPT_FIELD = "conversations"
+
+# Role names as found in OpenAI-style and ShareGPT data, mapped to the four the templates know.
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+
+
+class ChatSkip(ValueError):
+    """A chat record that cannot train; the message says why (e.g. "no assistant turn")."""
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that cannot be used for training (every record would fail the same way)."""
+
+
+def is_chat_record(record: dict, cfg) -> bool:
+    """Whether a record looks like chat: a list under ``data.messages_field`` or ShareGPT's field."""
+    return isinstance(record.get(cfg.messages_field), list) or isinstance(record.get(SHAREGPT_FIELD), list)
+
+
+def find_messages(record: dict, cfg) -> list[dict] | None:
+    """The record's turns as ``[{"role", "content"}, ...]``; None when it has no chat field at all.
+
+    ``record[cfg.messages_field]`` is read first, then ShareGPT's ``conversations``; each turn may use
+    ``role``/``content`` or ``from``/``value``. Raises ChatSkip for turns that cannot be read.
+    """
+    for name in (cfg.messages_field, SHAREGPT_FIELD):
+        if name in record:
+            return normalise_messages(record[name], name)
+    return None
+
+
+def normalise_messages(turns, name: str = "messages") -> list[dict]:
+    """Checked copies of the turns as ``{"role", "content"}`` with the role mapped (see ROLES).
+
+    Turns are numbered from 1 in the reasons ChatSkip gives.
+    """
+    if not isinstance(turns, list):
+        raise ChatSkip(f"'{name}' must be a list of turns, got {_kind(turns)}")
+    messages = []
+    for number, turn in enumerate(turns, start=1):
+        if not isinstance(turn, dict):
+            raise ChatSkip(f"turn {number}: must be an object with 'role' and 'content', got {_kind(turn)}")
+        role_key, content_key = (
+            ("role", "content") if "role" in turn or "from" not in turn else ("from", "value")
+        )
+        if role_key not in turn:
+            raise ChatSkip(f"turn {number}: no 'role' (or ShareGPT's 'from')")
+        role = turn[role_key]
+        if not isinstance(role, str) or role.lower() not in ROLES:
+            raise ChatSkip(
+                f"turn {number}: unknown role {role!r} (expected one of {', '.join(sorted(ROLES))})"
+            )
+        content = turn.get(content_key)
+        if not isinstance(content, str):
+            raise ChatSkip(f"turn {number}: '{content_key}' must be a string, got {_kind(content)}")
+        messages.append({"role": ROLES[role.lower()], "content": content})
+    return messages
+
+
+def resolve_template(tokenizer, cfg) -> str:
+    """The Jinja template chat records are rendered with.
+
+    ``data.chat_template`` (the contents of the file it names, else the string itself), else the
+    tokenizer's own ``chat_template``, else DEFAULT_CHAT_TEMPLATE.
+    """
+    given = cfg.chat_template
+    if given is not None:
+        path = Path(given).expanduser()
+        try:
+            is_file = path.is_file()
+        except (OSError, ValueError):  # a long template string, or one with a NUL, is no valid path
+            is_file = False
+        if is_file:
+            return path.read_text(encoding="utf-8")
+        if "{{" not in given and "{%" not in given:
+            raise ChatTemplateError(
+                f"data.chat_template {given!r} is neither an existing file nor a Jinja template "
+                "(no '{{' or '{%' in it)"
+            )
+        return given
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.get_chat_template()  # picks "default" where a tokenizer has several
+    return DEFAULT_CHAT_TEMPLATE
+
+
+def encode_chat(messages: list, tokenizer, cfg, template: str | None = None) -> tuple[list[int], list[int]]:
+    """Token ids and labels of one conversation; labels are IGNORE except on the assistant turns.
+
+    ``cfg.system_prompt`` becomes a first system turn when the conversation has no system turn.
+    Every assistant turn is learned except one that opens the conversation (it answers nothing, and
+    no template can render the empty prompt before it). ``template`` defaults to
+    ``resolve_template(tokenizer, cfg)``; pass it in to resolve it once. Raises ChatSkip for a record
+    that cannot train, ChatTemplateError for a template that cannot be used, ValueError for a slow
+    tokenizer (no character offsets).
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"chat data needs a fast tokenizer (character offsets for the assistant mask); "
+            f"{type(tokenizer).__name__} is not one (load it with use_fast=True, or convert it with tokenizers)"
+        )
+    if template is None:
+        template = resolve_template(tokenizer, cfg)
+    messages = normalise_messages(messages)
+    inserted = cfg.system_prompt is not None and not any(m["role"] == "system" for m in messages)
+    if inserted:
+        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+    learned = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k > 0]
+    if not learned:
+        opens = messages and messages[0]["role"] == "assistant"
+        raise ChatSkip("no assistant turn after the first turn" if opens else "no assistant turn")
+
+    text = _render(tokenizer, messages, template)
+    spans = []
+    for k in learned:
+        start = len(_prefix(tokenizer, messages[:k], template, text, k, generation=True))
+        end = len(_prefix(tokenizer, messages[: k + 1], template, text, k, generation=False))
+        while end > start and text[end - 1].isspace():
+            end -= 1
+        if end <= start:  # e.g. empty content under a template without an end-of-turn marker
+            raise ChatSkip(
+                f"turn {k + 1 - inserted}: the template renders nothing to learn for this assistant turn"
+            )
+        spans.append((start, end))
+
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoding["input_ids"])
+    labels = [IGNORE] * len(ids)
+    span = 0
+    for i, (token_start, token_end) in enumerate(encoding["offset_mapping"]):
+        while span < len(spans) and token_start >= spans[span][1]:
+            span += 1
+        if span == len(spans):
+            break
+        # A token belongs to the turn its first character is in; empty offsets belong to no turn.
+        if token_end > token_start and token_start >= spans[span][0]:
+            labels[i] = ids[i]
+    return ids, labels
+
+
+def encode_chat_record(
+    record: dict, tokenizer, cfg, template: str | None = None
+) -> tuple[list[int], list[int]]:
+    """``encode_chat`` of a record's turns; ChatSkip when the record has no chat field."""
+    messages = find_messages(record, cfg)
+    if messages is None:
+        raise ChatSkip(f"no '{cfg.messages_field}' (or ShareGPT's '{SHAREGPT_FIELD}') list")
+    return encode_chat(messages, tokenizer, cfg, template)
+
+
+def _render(tokenizer, messages: list[dict], template: str, generation: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, chat_template=template, add_generation_prompt=generation
+        )
+    except TemplateSyntaxError as exc:
+        raise ChatTemplateError(
+            f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})"
+        ) from exc
+    except TemplateError as exc:  # the template's raise_exception(), e.g. "roles must alternate"
+        raise ChatSkip(f"the chat template refused the conversation: {exc}") from exc
+
+
+def _prefix(tokenizer, messages: list[dict], template: str, text: str, k: int, generation: bool) -> str:
+    rendered = _render(tokenizer, messages, template, generation)
+    if not text.startswith(rendered):
+        what = f"turns 1-{k} with the generation prompt" if generation else f"turns 1-{k + 1}"
+        raise ChatTemplateError(
+            f"the chat template is not prefix-stable: its rendering of {what} is not the start of its rendering "
+            "of the whole conversation, so the assistant turns cannot be located for the loss mask "
+            "(set data.chat_template to a template that renders each turn the same whatever follows it)"
+        )
+    return rendered
+
+
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__
