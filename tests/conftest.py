@@ -4,6 +4,8 @@ Fixtures that only one area uses live in that area's conftest.py (tests/dashboar
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -11,6 +13,10 @@ import pytest
 import yaml
 
 from tests.helpers import TINY, deep_merge, run_trainer
+
+# The data cache of every test (and every trainer the tests start) lives in one temporary folder, never in
+# the user's ~/.cache; tests that check building versus reusing set data.cache_dir of their own.
+os.environ.setdefault("FINETUNE_KIT_DATA_CACHE", tempfile.mkdtemp(prefix="kit-data-cache-"))
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ VERBS = [
     "trainer.commands.plan",
     "trainer.commands.info",
     "trainer.commands.preprocess",
+    "trainer.commands.cache",
     "trainer.commands.report",
     "trainer.commands.download",
     "trainer.commands.export",

@@ -12,10 +12,10 @@ import re
 import pytest
 import yaml
 
+from tests.data.reference_rows import DataReport, build_sequences, read_records, tokenize_record
 from tests.helpers import REPO, TINY, deep_merge, run_trainer
 from trainer.cli import main
 from trainer.config import Config, DataConfig, ModelConfig, PathsConfig
-from trainer.data.dataset import DataReport, build_sequences, read_records, tokenize_record
 from trainer.data.length_report import (
     REPORT_JSON,
     REPORT_MD,
@@ -35,7 +35,13 @@ from trainer.data.length_report import (
 class WordTokenizer:
     """No offsets, like a slow tokenizer: pieces are counted by tokenizing them."""
 
-    bos_token_id, eos_token_id, name_or_path = 1, 2, "words"
+    bos_token_id, eos_token_id, pad_token_id, name_or_path, chat_template = 1, 2, 0, "words", None
+
+    def __len__(self):
+        return 4
+
+    def get_vocab(self):
+        return {"<pad>": 0, "<s>": 1, "</s>": 2, "w": 3}
 
     def __call__(self, text, add_special_tokens=False):
         if isinstance(text, list):
@@ -142,13 +148,6 @@ def test_text_records_counted_by_hand(tmp_path, tokenizer):
     assert t["chunks_per_record"]["histogram"] == {"1": 2, "2": 1, "3": 1}
 
 
-def test_sample_is_evenly_spaced(tmp_path):
-    lines = [json.dumps({"text": t}) for t in (R1, R2, R3, R4)]
-    report = analyze(config_for(tmp_path, lines), WordTokenizer(), max_records=2)
-    assert report["sampled"] is True and report["records_analyzed"] == 2 and report["records_total"] == 4
-    assert (report["lengths"]["min"], report["lengths"]["max"]) == (14, 18)  # records 1 and 3
-
-
 def test_instruction_records_lose_their_response_to_truncation(tmp_path):
     lines = [
         json.dumps({"prompt": "a b c", "response": "d e f g h i j"}),  # BOS+3 | 7+EOS = 12 tokens
@@ -179,7 +178,8 @@ def test_written_json_and_markdown(tmp_path):
 
 
 def test_real_tokenizer_agrees_with_the_training_data_path(tmp_path):
-    """The loss counted here equals what data.build_sequences reports for the same records."""
+    """The loss counted here (from the data cache) equals what the list-based loader's build_sequences
+    reported for the same records."""
     from trainer.model.loading import load_tokenizer
 
     cfg = Config(
@@ -188,9 +188,9 @@ def test_real_tokenizer_agrees_with_the_training_data_path(tmp_path):
         data=DataConfig(max_length=64),
     )
     tokenizer = load_tokenizer(cfg)
-    report = analyze(cfg, tokenizer, max_records=300)
+    report = analyze(cfg, tokenizer)
     records = read_records(cfg.paths.train_file, "skip", DataReport())
-    picked = [records[i * len(records) // 300] for i in range(300)]
+    picked = records
     tokenized = [tokenize_record(r, tokenizer, cfg.data, "text", "x") for r in picked]
     data_report = DataReport()
     build_sequences(tokenized, cfg.data, 0, data_report, packing=False)
@@ -211,10 +211,10 @@ def test_cli_writes_both_files_into_the_output_folder(tmp_path):
     cfg = deep_merge(TINY, {"paths": {"output_dir": str(out)}})
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    result = run_trainer("preprocess", "--analyze-only", "--config", str(path), "--max-records", "200")
+    result = run_trainer("preprocess", "--analyze-only", "--config", str(path))
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((out / REPORT_JSON).read_text())
-    assert report["records_analyzed"] == 200 and report["sampled"] is True and report["max_length"] == 64
+    assert report["records_analyzed"] == 2000 and report["sampled"] is False and report["max_length"] == 64
     assert report["tokenizer"].endswith("tiny-moe")
     assert "| strategy | chunks |" in (out / REPORT_MD).read_text()
     assert "lengths (tokens): median" in result.stdout and str(out / REPORT_JSON) in result.stdout
@@ -223,8 +223,6 @@ def test_cli_writes_both_files_into_the_output_folder(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        ([], "pass --analyze-only"),
-        (["--analyze-only", "--max-records", "0"], "--max-records"),
         (["--analyze-only", "--set", "paths.train_file=/nope.jsonl"], "paths.train_file"),
     ],
 )

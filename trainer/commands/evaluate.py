@@ -84,6 +84,7 @@ def evaluate_checkpoint(cfg, checkpoint: Path, with_loss: bool = True) -> dict:
     from accelerate import Accelerator
 
     from trainer.data.dataset import prepare_data
+    from trainer.data.prepare import workers_of
     from trainer.model.loading import load_for_training
     from trainer.training.checkpoint_files import CheckpointInfo, read_state
     from trainer.training.checkpointing import load_checkpoint_weights, model_source
@@ -101,7 +102,9 @@ def evaluate_checkpoint(cfg, checkpoint: Path, with_loss: bool = True) -> dict:
     results: dict = {"checkpoint": str(checkpoint), "step": state.get("step")}
     pad_id = loaded.tokenizer.pad_token_id or 0
     if with_loss:
-        data = prepare_data(cfg.paths, cfg.data, loaded.tokenizer, loaded.family.packing)
+        data = prepare_data(
+            cfg.paths, cfg.data, loaded.tokenizer, loaded.family.packing, workers_of(cfg.performance)
+        )
         if data.val:
             results.update(evaluate_loss(model, data.val, cfg, accelerator, pad_id, kernels.loss))
     task, examples = load_task(cfg)

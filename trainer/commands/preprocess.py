@@ -1,5 +1,7 @@
-"""``preprocess --analyze-only``: token-length distribution and truncation/splitting costs, written as
-``<output_dir>/data_report.json`` and ``data_report.md`` (see trainer/data/length_report.py)."""
+"""``preprocess``: build the config's tokenized data cache ahead of training (every rank, resume and sweep
+point with the same data, tokenizer and settings then reuses it), and report the token lengths: printed,
+and with ``--analyze-only``/``--report`` written as ``<output_dir>/data_report.json`` and ``data_report.md``
+(see trainer/data/length_report.py)."""
 
 from __future__ import annotations
 
@@ -10,22 +12,17 @@ from trainer.commands import add_config_arguments, load_config_from_args
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "preprocess", help="analyze the training data: token lengths and what truncation or splitting costs"
+        "preprocess",
+        help="tokenize and pack the training data into its cache, and report token lengths and truncation costs",
     )
     add_config_arguments(parser)
     parser.add_argument(
         "--analyze-only",
         "--analyze_only",
+        "--report",
+        dest="write_report",
         action="store_true",
-        help="write data_report.json/.md into the output folder (the only mode so far)",
-    )
-    parser.add_argument(
-        "--max-records",
-        "--max_records",
-        type=int,
-        default=None,
-        metavar="N",
-        help="analyze an evenly spaced sample of N records (default: all)",
+        help="also write data_report.json/.md into paths.output_dir",
     )
     parser.set_defaults(func=run)
 
@@ -33,27 +30,29 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from trainer.cli import EXIT_BAD_INPUT
 
-    if not args.analyze_only:
-        print(
-            "preprocess: pass --analyze-only (writing tokenized caches is not supported yet)", file=sys.stderr
-        )
-        return EXIT_BAD_INPUT
-    if args.max_records is not None and args.max_records < 1:
-        print(f"--max-records: expected >= 1, got {args.max_records}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     config = load_config_from_args(args)
-    from trainer.data.dataset import DataError
-    from trainer.data.length_report import analyze, summary_line, write_data_report
-    from trainer.families import ModelLoadError
+    from trainer.data.dataset import DataError, prepare_data
+    from trainer.data.length_report import summary_line, write_data_report
+    from trainer.data.prepare import workers_of
+    from trainer.families import ModelLoadError, family_for
+    from trainer.families.extras import model_type
     from trainer.model.loading import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(config)
-        report = analyze(config, tokenizer, max_records=args.max_records)
+        packing = family_for(model_type(config) or "", config.model.family).packing
+        prepared = prepare_data(config.paths, config.data, tokenizer, packing, workers_of(config.performance))
     except (DataError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    json_path, md_path = write_data_report(report, config.paths.output_dir)
-    print(summary_line(report))
-    print(f"wrote {json_path} and {md_path}")
+    r = prepared.report
+    print(
+        f"data cache {r.fingerprint} {'reused' if r.cache_hit else 'built'} in {r.prepare_seconds:.1f} s: "
+        f"{r.train_sequences:,} train / {r.val_sequences:,} val rows of {config.data.max_length} tokens "
+        f"({r.train_tokens:,} train tokens, {r.format} format, {r.skipped_lines} skipped) in {r.cache}"
+    )
+    print(summary_line(prepared.length_report))
+    if args.write_report:
+        json_path, md_path = write_data_report(prepared.length_report, config.paths.output_dir)
+        print(f"wrote {json_path} and {md_path}")
     return 0

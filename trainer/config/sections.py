@@ -85,10 +85,27 @@ class ModelConfig:
 
 @dataclass(config=SECTION)
 class DataConfig:
-    format: Literal["auto", "text", "instruction"] = "auto"
+    # auto: chat when the first record has messages_field (or ShareGPT's "conversations"), instruction when
+    # it has prompt_field and response_field, text otherwise.
+    format: Literal["auto", "text", "instruction", "chat"] = "auto"
     text_field: Str = "text"
     prompt_field: Str = "prompt"
     response_field: Str = "response"
+    # chat: a list of {"role", "content"} turns (ShareGPT's {"from", "value"} are mapped), rendered with the
+    # tokenizer's chat template (chat_template overrides it: a Jinja string or a file); loss on assistant turns.
+    messages_field: Str = "messages"
+    system_prompt: Str | None = None  # chat: a system turn for records that have none
+    chat_template: Str | None = None
+    # A Hugging Face dataset instead of paths.train_file: a Hub id or a local folder load_dataset reads
+    # (offline once cached), with its config name, split, revision; val_split names the validation split.
+    dataset: Str | None = None
+    dataset_config: Str | None = None
+    dataset_split: Str = "train"
+    dataset_revision: Str | None = None
+    val_split: Str | None = None
+    # Where tokenized, packed rows are cached (one folder per fingerprint); null: ~/.cache/finetune-kit/data
+    # (or $FINETUNE_KIT_DATA_CACHE). `python -m trainer cache list|clear` shows and removes them.
+    cache_dir: Str | None = None
     max_length: Int = limit(256, ge=8)
     packing: Bool = True
     long_documents: Literal["split", "truncate"] = "split"
@@ -296,7 +313,10 @@ class PerformanceConfig:
     tf32: Bool = True
     # CUDA fast path for causal LMs (trainer/fastpath): auto takes it where it applies, on insists, off never.
     fast_path: Literal["auto", "on", "off"] = "auto"
-    dataloader_num_workers: Int = 0  # threads that tokenize the data at start-up (rows then stay in memory)
+    # Processes that tokenize and pack the data into its cache (once per data, tokenizer and settings);
+    # 0: one per CPU core this process may use, at most 16.
+    data_workers: Int = limit(0, ge=0)
+    dataloader_num_workers: Int = limit(0, ge=0, note="the older name of data_workers, used when that is 0")
     pin_memory: Bool = False
     torch_threads: Int = 0
 

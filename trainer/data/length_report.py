@@ -1,7 +1,7 @@
 """Token lengths of the training file, and what each way of fitting them into ``max_length`` costs.
 
-``analyze(cfg, tokenizer)`` tokenizes records exactly as training does (``data.tokenize_record``:
-BOS, text, EOS) and answers, for ``data.max_length``:
+``analyze(cfg, tokenizer)`` reads the token count of every record from the data cache (the counts
+data preparation measured: BOS, text, EOS) and answers, for ``data.max_length``:
 
 - the length distribution (min, median, p90, p95, p99, max; nearest-rank percentiles, so every
   number is a length some record really has);
@@ -15,7 +15,8 @@ Pieces keep their trailing whitespace (joined, they give the text back). With a 
 each token of the record counts in the piece where it starts, so pieces add up to the record
 exactly; a slow one (no offsets) tokenizes each piece on its own, which can differ by a token or
 two at the cuts.
-``max_records`` analyzes an evenly spaced sample, to keep the start of a run cheap.
+The paragraph and sentence strategies need the text: they use an evenly spaced sample of at most a
+few thousand records, which preparation kept (``sample_records`` says how many).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from pathlib import Path
 
 from trainer import runfolder
 from trainer.config import Config
-from trainer.data.dataset import IGNORE, DataError, DataReport, detect_format, read_records, tokenize_record
 
 REPORT_JSON = "data_report.json"
 REPORT_MD = "data_report.md"
@@ -87,13 +87,6 @@ def histogram(lengths: list[int], bins: int = HISTOGRAM_BINS) -> dict:
     for length in lengths:
         counts[length // width] += 1
     return {"edges": [i * width for i in range(count + 1)], "counts": counts}
-
-
-def sample_indices(total: int, max_records: int | None) -> list[int]:
-    """All records, or ``max_records`` evenly spaced ones (deterministic, start to end of the file)."""
-    if not max_records or max_records >= total:
-        return list(range(total))
-    return [i * total // max_records for i in range(max_records)]
 
 
 def pack_pieces(lengths: list[int], max_length: int) -> dict:
@@ -183,45 +176,29 @@ def _strategy(
     }
 
 
-def analyze(cfg: Config, tokenizer, max_records: int | None = None) -> dict:
-    """Length distribution and per-strategy costs of ``cfg.paths.train_file`` (see the module doc)."""
-    started = time.time()
-    d = cfg.data
-    max_length = d.max_length
-    read_report = DataReport()
-    records = read_records(cfg.paths.train_file, d.on_bad_line, read_report)
-    if not records:
-        raise DataError(f"{cfg.paths.train_file}: no usable records")
-    fmt = detect_format(records, d, str(cfg.paths.train_file))
-    chosen = sample_indices(len(records), max_records)
+def analyze(cfg: Config, tokenizer) -> dict:
+    """The length report of ``cfg``'s training data, from its data cache (built first if needed)."""
+    from trainer.data.prepare import prepare_data
+    from trainer.families import family_for
+    from trainer.families.extras import model_type
 
-    # BOS and EOS as tokenize_record adds them; they sit on a record's first and last piece.
+    packing = family_for(model_type(cfg) or "", cfg.model.family).packing
+    prepared = prepare_data(cfg.paths, cfg.data, tokenizer, packing, cfg.performance.data_workers)
+    return prepared.length_report
+
+
+def report_from_lengths(stats, fmt: str, tokenizer, cfg_data, source: str, skipped: int) -> dict:
+    """Length distribution and per-strategy costs (see the module doc), from the token counts that data
+    preparation measured for every record; the paragraph and sentence strategies re-tokenize an evenly
+    spaced sample of at most a few thousand texts (they need token offsets)."""
+    started = time.time()
+    d = cfg_data
+    max_length = d.max_length
+    all_lengths, all_lost = stats.all()
+    lengths, target_lost = all_lengths.tolist(), all_lost.tolist()
     bos = 1 if tokenizer.bos_token_id is not None else 0
     eos = 1 if d.add_eos and tokenizer.eos_token_id is not None else 0
-    lengths, texts, target_lost, starts = [], [], [], None
-    skipped = read_report.skipped_lines
-    for i in chosen:
-        where = f"{cfg.paths.train_file}:record {i + 1}"
-        try:
-            if fmt == "text":
-                text = records[i].get(d.text_field)
-                if not isinstance(text, str):
-                    raise DataError(f"{where}: field '{d.text_field}' must be a string")
-                texts.append(text)
-                continue
-            ids, labels = tokenize_record(records[i], tokenizer, d, fmt, where)
-        except DataError:
-            if d.on_bad_line == "fail":
-                raise
-            skipped += 1
-            continue
-        lengths.append(len(ids))
-        target_lost.append(sum(1 for label in labels[max_length:] if label != IGNORE))
-    if fmt == "text":
-        # The same ids as tokenize_record (BOS + text + EOS), in batches; every token is a target.
-        counts, starts = encode_texts(tokenizer, texts)
-        lengths = [bos + n + eos for n in counts]
-        target_lost = [max(0, n - max_length) for n in lengths]
+    texts = stats.samples
 
     truncate_lost = [max(0, n - max_length) for n in lengths]
     strategies = {
@@ -233,24 +210,24 @@ def analyze(cfg: Config, tokenizer, max_records: int | None = None) -> dict:
         if fmt != "text":
             strategies[name] = {
                 "applicable": False,
-                "reason": "instruction records are not split at text boundaries (the prompt stays with its "
+                "reason": f"{fmt} records are not split at text boundaries (the prompt stays with its "
                 "response); only truncation and token windows apply",
             }
             continue
+        _, starts = encode_texts(tokenizer, texts)
         strategies[name] = _split_strategy(name, texts, starts, (bos, eos), tokenizer, max_length)
+        strategies[name]["sample_records"] = len(texts)
 
     dist = distribution(lengths)
     over = sum(1 for n in lengths if n > max_length)
     return {
-        "train_file": str(cfg.paths.train_file),
+        "train_file": source,
         "format": fmt,
-        "tokenizer": getattr(tokenizer, "name_or_path", None)
-        or cfg.model.tokenizer
-        or cfg.model.name_or_path,
+        "tokenizer": getattr(tokenizer, "name_or_path", None),
         "max_length": max_length,
-        "records_total": len(records) + read_report.skipped_lines,
+        "records_total": len(lengths) + skipped,
         "records_analyzed": len(lengths),
-        "sampled": len(chosen) < len(records),
+        "sampled": False,
         "skipped_records": skipped,
         "lengths": dist,
         "histogram": histogram(lengths),

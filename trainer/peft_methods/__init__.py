@@ -186,6 +186,7 @@ def stage_one_rows(loaded, cfg, data):
     import dataclasses
 
     from trainer.data.dataset import prepare_data
+    from trainer.data.prepare import workers_of
 
     path = cfg.lora.sdlora_stage_one_file
     if path is None:
@@ -195,7 +196,7 @@ def stage_one_rows(loaded, cfg, data):
         dataclasses.replace(cfg.data, val_fraction=0.0),
         loaded.tokenizer,
         loaded.family.packing,
-        cfg.performance.dataloader_num_workers,
+        workers_of(cfg.performance),
     )
     return other.train, path
 

@@ -30,18 +30,22 @@ def announce(accelerator, cfg: Config, loaded, data, total_steps: int, resume_fr
         f"truncation would lose {d.truncation_would_lose_tokens:,} tokens, lost {d.truncated_tokens:,})",
         flush=True,
     )
+    how = "reused" if d.cache_hit else "built"
+    print(
+        f"data: {d.format} format, cache {d.fingerprint} {how} ({d.cache}), ready in {d.prepare_seconds:.1f} s",
+        flush=True,
+    )
     where = (
         f"resuming from {resume_from.path} at step {resume_from.step}" if resume_from else "starting fresh"
     )
     print(f"training: {total_steps} steps on {accelerator.num_processes} process(es), {where}", flush=True)
 
 
-def length_report(cfg: Config, tokenizer, output_dir: Path, log, step: int) -> None:
-    """Token-length distribution of (a sample of) the training file, at the start of every run:
-    printed, written as the run folder's data report, and logged as an event."""
-    from trainer.data.length_report import analyze, summary_line, write_data_report
+def length_report(report: dict, output_dir: Path, log, step: int) -> None:
+    """Token-length distribution of the training data (measured when its cache was built), at the start of
+    every run: printed, written as the run folder's data report, and logged as an event."""
+    from trainer.data.length_report import summary_line, write_data_report
 
-    report = analyze(cfg, tokenizer, max_records=2000)
     write_data_report(report, output_dir)
     print(summary_line(report), flush=True)
     log.event(

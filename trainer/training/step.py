@@ -56,7 +56,7 @@ def next_step_rows(
     if pos.row + rows_per_step > train_rows:
         pos = Position(pos.epoch + 1, 0)
     order = epoch_order(train_rows, seed, pos.epoch)
-    return order[pos.row : pos.row + rows_per_step], Position(pos.epoch, pos.row + rows_per_step)
+    return order[pos.row : pos.row + rows_per_step].tolist(), Position(pos.epoch, pos.row + rows_per_step)
 
 
 def split_rows(rows: list[Sequence], length: int | None) -> list[Sequence]:
