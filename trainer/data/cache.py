@@ -40,9 +40,10 @@ def digest(parts) -> str:
 
 
 def file_digest(path: Path, root: Path) -> str:
-    """The content hash of a file, remembered by (path, size, mtime, inode) so a second launch reads nothing."""
+    """The content hash of a file, remembered by (path, size, mtime, ctime, inode) so a second launch reads
+    nothing. The ctime catches a rewrite whose mtime was set back (``touch -r``, ``cp -p`` onto the file)."""
     stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{stat.st_ino}"
     memo_path = root / DIGESTS
     try:
         memo = json.loads(memo_path.read_text())
@@ -114,7 +115,7 @@ def entries(root: Path) -> list[dict]:
         if folder.name.startswith(".") or not is_complete(folder):
             continue
         meta = json.loads((folder / META).read_text())
-        used = (folder / META).stat().st_atime
+        used = (folder / META).stat().st_mtime  # see touch
         out.append(
             {
                 "fingerprint": folder.name,
@@ -136,10 +137,12 @@ def entries(root: Path) -> list[dict]:
 
 
 def touch(folder: Path) -> None:
-    """Mark a cache as used now (``cache list`` and ``cache clear --older-than`` go by it)."""
+    """Mark a cache as used now (``cache list`` and ``cache clear --older-than`` go by it): the mtime of its
+    meta.json, which nothing else changes; the atime would not do, since reading the file (``cache list``
+    does) moves it on a relatime mount, the Linux default."""
     now = time.time()
     try:
-        os.utime(folder / META, (now, (folder / META).stat().st_mtime))
+        os.utime(folder / META, (now, now))
     except OSError:
         pass
 

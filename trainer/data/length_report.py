@@ -124,6 +124,10 @@ def encode_texts(tokenizer, texts: list[str]) -> tuple[list[int], list[list[int]
     With offsets, splitting a text costs no second tokenization: a piece's tokens are those that
     start inside it. Batched, as one call per record is most of the cost on big files.
     """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        encoded = backend.encode_batch(texts, add_special_tokens=False) if texts else []
+        return [len(e.ids) for e in encoded], [[span[0] for span in e.offsets] for e in encoded]
     counts: list[int] = []
     starts: list[list[int]] | None = []
     for at in range(0, len(texts), ENCODE_BATCH):
@@ -206,6 +210,7 @@ def report_from_lengths(stats, fmt: str, tokenizer, cfg_data, source: str, skipp
         "token": _strategy([max(1, math.ceil(n / max_length)) for n in lengths], [0] * len(lengths)),
     }
     strategies["truncate"]["lost_target_tokens"] = sum(target_lost)
+    starts = encode_texts(tokenizer, texts)[1] if fmt == "text" else None
     for name in ("paragraph", "sentence"):
         if fmt != "text":
             strategies[name] = {
@@ -214,7 +219,6 @@ def report_from_lengths(stats, fmt: str, tokenizer, cfg_data, source: str, skipp
                 "response); only truncation and token windows apply",
             }
             continue
-        _, starts = encode_texts(tokenizer, texts)
         strategies[name] = _split_strategy(name, texts, starts, (bos, eos), tokenizer, max_length)
         strategies[name]["sample_records"] = len(texts)
 

@@ -159,68 +159,57 @@ def build(folder, key, identity, train_source, val_source, cfg, tokenizer, packi
     workers = workers or default_workers()
     tmp = cache.temporary_folder(folder.parent, key)
     tmp.mkdir(parents=True)
+    progress = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
     try:
-        progress = datasets.utils.logging.is_progress_bar_enabled()
-        datasets.disable_progress_bars()
         log(f"data: preparing {train_source.label} with {workers} worker(s) into {folder}", flush=True)
-        first = sources.first_record(train_source, cfg.on_bad_line)
-        fmt = detect_format(first, cfg, train_source.label)
-        encoder = Encoder(tokenizer, cfg, fmt)
+        fmt = detect_format(sources.first_record(train_source, cfg.on_bad_line), cfg, train_source.label)
         report = DataReport(format=fmt, packing=packing)
-        encoded = sources.encode_source(train_source, encoder, workers, tmp / "work-train", cfg.text_field)
-        status = np.asarray(encoded.data.table.column("status").to_numpy(), dtype=np.int8)
-        records = np.flatnonzero(status != sources.STATUS_BAD_LINE)
-        if not len(records):
-            raise DataError(f"{train_source.label}: no usable records")
-        in_val = np.zeros(len(status), bool)
-        if val_source is None:
-            in_val[records[val_ordinals(len(records), cfg.val_fraction, cfg.seed)]] = True
         dtypes = {
             "ids": id_dtype(len(tokenizer)),
             "target": np.dtype(np.uint8),
             "pos": pos_dtype(cfg.max_length),
         }
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        lengths = LengthStats(cfg.max_length)
-        train_packer = Packer(
-            RowWriter(tmp, "train", dtypes), cfg.max_length, packing, cfg.long_documents == "truncate", pad_id
-        )
-        val_packer = Packer(
-            RowWriter(tmp, "val", dtypes), cfg.max_length, packing, cfg.long_documents == "truncate", pad_id
-        )
+        truncate = cfg.long_documents == "truncate"
+        packers = {
+            split: Packer(RowWriter(tmp, split, dtypes), cfg.max_length, packing, truncate, pad_id)
+            for split in ("train", "val")
+        }
+        encoder = Encoder(tokenizer, cfg, fmt)
         skipped = Skipped(report, cfg.on_bad_line)
-        feed(
-            encoded,
-            status,
-            in_val,
-            train_packer,
-            val_packer if val_source is None else None,
-            skipped,
-            lengths,
-        )
-        report.train_records = int(len(records) - in_val.sum())
-        report.val_records = int(in_val.sum())
+        lengths = LengthStats(cfg.max_length)
+
+        encoded = sources.encode_source(train_source, encoder, workers, tmp / "work-train", cfg.text_field)
+        status = encoded.data.table.column("status").to_numpy().astype(np.int8)
+        records = np.flatnonzero(status != sources.STATUS_BAD_LINE)
+        if not len(records):
+            raise DataError(f"{train_source.label}: no usable records")
+        in_val = np.zeros(len(status), bool)
+        if val_source is None:
+            in_val[records[val_ordinals(len(records), cfg.val_fraction, cfg.seed)]] = True
+        feed(encoded, status, in_val, packers, skipped, lengths, chat=fmt == "chat")
+        report.train_records, report.val_records = int(len(records) - in_val.sum()), int(in_val.sum())
         if val_source is not None:
-            encoded_val = sources.encode_source(
-                val_source, encoder, workers, tmp / "work-val", cfg.text_field
-            )
-            val_status = np.asarray(encoded_val.data.table.column("status").to_numpy(), dtype=np.int8)
-            report.val_records = int((val_status != sources.STATUS_BAD_LINE).sum())
-            feed(encoded_val, val_status, np.ones(len(val_status), bool), None, val_packer, skipped, None)
-            del encoded_val
+            encoded = sources.encode_source(val_source, encoder, workers, tmp / "work-val", cfg.text_field)
+            status = encoded.data.table.column("status").to_numpy().astype(np.int8)
+            report.val_records = int((status != sources.STATUS_BAD_LINE).sum())
+            feed(encoded, status, np.ones(len(status), bool), packers, skipped, None, chat=fmt == "chat")
         del encoded
-        report.truncation_would_lose_tokens = train_packer.counts.would_lose
-        report.truncated_tokens = train_packer.counts.truncated
-        report.train_sequences = train_packer.close()
-        report.val_sequences = val_packer.close()
-        report.train_tokens = int(train_packer.stream)
+
+        train = packers["train"]
+        report.truncation_would_lose_tokens, report.truncated_tokens = (
+            train.counts.would_lose,
+            train.counts.truncated,
+        )
+        report.train_tokens = int(train.stream)
+        report.train_sequences, report.val_sequences = train.close(), packers["val"].close()
         if not report.train_sequences:
             raise DataError(f"{train_source.label}: no training sequences after tokenization")
         for work in tmp.glob("work-*"):
             shutil.rmtree(work, ignore_errors=True)
         from trainer.data.length_report import report_from_lengths
 
-        length_report = report_from_lengths(lengths, fmt, tokenizer, cfg, train_source.label, skipped.count)
         meta = {
             "kind": cache.KIND,
             "created": round(time.time(), 3),
@@ -232,19 +221,21 @@ def build(folder, key, identity, train_source, val_source, cfg, tokenizer, packi
             "settings": identity["settings"],
             "dtypes": {k: v.str for k, v in dtypes.items()},
             "report": report.as_event(),
-            "length_report": length_report,
+            "length_report": report_from_lengths(
+                lengths, fmt, tokenizer, cfg, train_source.label, skipped.count
+            ),
         }
         (tmp / cache.META).write_text(json.dumps(meta, indent=1))
         os.rename(tmp, folder)
         log(
-            f"data: {report.train_sequences} train / {report.val_sequences} val rows "
-            f"({report.train_tokens} tokens) prepared in {time.time() - started:.1f} s",
+            f"data: {report.train_sequences:,} train / {report.val_sequences:,} val rows "
+            f"({report.train_tokens:,} tokens) prepared in {time.time() - started:.1f} s",
             flush=True,
         )
-        if progress:
-            datasets.enable_progress_bars()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if progress:
+            datasets.enable_progress_bars()
 
 
 def val_ordinals(n: int, val_fraction: float, seed: int) -> np.ndarray:
@@ -297,10 +288,29 @@ class LengthStats:
         return cat(self.lengths), cat(self.target_lost)
 
 
+def documents(batch, mask: np.ndarray, chat: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The chosen rows of an encoded batch as flat ids, flat targets (uint8) and document lengths."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    chosen = pa.array(mask)
+    ids = pc.filter(batch.column("ids"), chosen)
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat_ids = ids.flatten().to_numpy(zero_copy_only=False)
+    masked = pc.filter(batch.column("masked"), chosen).to_numpy(zero_copy_only=False).astype(np.int64)
+    within = np.arange(len(flat_ids), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    target = within >= np.repeat(masked, lengths)
+    if chat:
+        marks = pc.filter(batch.column("target"), chosen).flatten().to_numpy(zero_copy_only=False)
+        target &= np.asarray(marks, dtype=bool)
+    return flat_ids, target.astype(np.uint8), lengths
+
+
 def feed(
-    encoded, status, in_val, train_packer, val_packer, skipped: Skipped, lengths: LengthStats | None
+    encoded, status, in_val, packers: dict, skipped: Skipped, lengths: LengthStats | None, chat: bool
 ) -> None:
     """Stream the encoded rows, in order, into the packers of their split."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     at = 0
@@ -314,29 +324,10 @@ def feed(
             whys = batch.column("why").to_pylist()
             skipped.add([whys[i] for i in bad])
         ok = st == sources.STATUS_OK
-        for packer, chosen in ((train_packer, ok & ~val), (val_packer, ok & val)):
-            if packer is None or not chosen.any():
-                continue
-            mask = pa_mask(chosen)
-            ids = pc.filter(batch.column("ids"), mask)
-            target = pc.filter(batch.column("target"), mask)
-            doc_lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
-            flat_ids = ids.flatten().to_numpy(zero_copy_only=False)
-            flat_target = np.asarray(target.flatten().to_numpy(zero_copy_only=False), dtype=np.uint8)
-            packer.add(flat_ids, flat_target, doc_lengths)
+        for split, chosen in (("train", ok & ~val), ("val", ok & val)):
+            if chosen.any():
+                packers[split].add(*documents(batch, chosen, chat))
         if lengths is not None and ok.any():
-            mask = pa_mask(ok)
-            ids = pc.filter(batch.column("ids"), mask)
-            target = pc.filter(batch.column("target"), mask)
-            samples = [s for s in pc.filter(batch.column("sample"), mask).to_pylist() if s is not None]
-            lengths.add(
-                pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64),
-                np.asarray(target.flatten().to_numpy(zero_copy_only=False), dtype=np.uint8),
-                samples,
-            )
-
-
-def pa_mask(mask: np.ndarray):
-    import pyarrow as pa
-
-    return pa.array(mask)
+            _, target, doc_lengths = documents(batch, ok, chat)
+            samples = pc.filter(batch.column("sample"), pa.array(ok)).to_pylist()
+            lengths.add(doc_lengths, target, [s for s in samples if s is not None])

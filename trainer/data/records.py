@@ -16,10 +16,12 @@ class DataError(ValueError):
 
 @dataclass
 class Encoded:
-    """One record's tokens, or why it was skipped."""
+    """One record's tokens, or why it was skipped. Targets: every token after the first ``masked`` ones
+    (text: all; instruction: the response), and where ``target`` is given (chat) only those it marks."""
 
     ids: list[int] | None
-    target: list[bool] | None
+    masked: int = 0
+    target: list[bool] | None = None
     why: str | None = None
 
 
@@ -71,7 +73,14 @@ class Encoder:
                 raise DataError(f"data.chat_template: {exc}") from exc
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        """Batch encoding; straight through the Rust tokenizer when transformers' call would add nothing
+        (no truncation or padding configured), which halves the cost of a batch (no per-token dicts)."""
+        if not texts:
+            return []
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.truncation is None and backend.padding is None:
+            return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     def encode(self, records: list[dict]) -> list[Encoded]:
         if self.fmt == "text":
@@ -83,10 +92,9 @@ class Encoder:
     def _text(self, records: list[dict]) -> list[Encoded]:
         field = self.cfg.text_field
         good = [i for i, r in enumerate(records) if isinstance(r.get(field), str)]
-        out = [Encoded(None, None, f"field '{field}' must be a string")] * len(records)
+        out = [Encoded(None, why=f"field '{field}' must be a string")] * len(records)
         for i, ids in zip(good, self._encode([records[i][field] for i in good])):
-            ids = self.bos + ids + self.eos
-            out[i] = Encoded(ids, [True] * len(ids))
+            out[i] = Encoded(self.bos + ids + self.eos)
         return out
 
     def _instruction(self, records: list[dict]) -> list[Encoded]:
@@ -94,14 +102,12 @@ class Encoder:
         good = [
             i for i, rec in enumerate(records) if isinstance(rec.get(p), str) and isinstance(rec.get(r), str)
         ]
-        out = [Encoded(None, None, f"fields '{p}' and '{r}' must be strings")] * len(records)
+        out = [Encoded(None, why=f"fields '{p}' and '{r}' must be strings")] * len(records)
         prompts = self._encode([records[i][p] for i in good])
         responses = self._encode([records[i][r] for i in good])
         for i, prompt, response in zip(good, prompts, responses):
             prompt_ids, response_ids = self.bos + prompt, response + self.eos
-            out[i] = Encoded(
-                prompt_ids + response_ids, [False] * len(prompt_ids) + [True] * len(response_ids)
-            )
+            out[i] = Encoded(prompt_ids + response_ids, masked=len(prompt_ids))
         return out
 
     def _chat(self, record: dict) -> Encoded:
@@ -110,10 +116,10 @@ class Encoder:
         try:
             messages = find_messages(record, self.cfg)
             if messages is None:
-                return Encoded(None, None, f"field '{self.cfg.messages_field}' missing")
+                return Encoded(None, why=f"field '{self.cfg.messages_field}' missing")
             ids, labels = encode_chat(messages, self.tokenizer, self.cfg, self.template)
         except ChatSkip as exc:
-            return Encoded(None, None, str(exc))
+            return Encoded(None, why=str(exc))
         except ChatTemplateError as exc:  # the template, not the record: every record would fail
             raise DataError(f"data.chat_template: {exc}") from exc
-        return Encoded(ids, [label != -100 for label in labels])
+        return Encoded(ids, target=[label != -100 for label in labels])

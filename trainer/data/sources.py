@@ -21,6 +21,7 @@ LINE_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".tsv": "tsv", ".tab": "tsv
 BUILDERS = {".csv": "csv", ".parquet": "parquet", ".arrow": "arrow", ".json": "json"}
 RANGE_BYTES = 4 << 20  # one worker task: big enough to amortise, small enough to spread and stop quickly
 
+SAMPLE_RECORDS = 1000  # texts kept for the length report's paragraph and sentence strategies
 STATUS_OK, STATUS_BAD_LINE, STATUS_BAD_RECORD = 0, 1, 2  # a bad line is not a record; a bad record is
 
 
@@ -127,7 +128,16 @@ def line_ranges(files: list[Path]) -> list[dict]:
                     end += len(rest)
                     block += rest
                 lines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
-                ranges.append({"file": str(path), "start": start, "end": end, "line": line, "header": header})
+                ranges.append(
+                    {
+                        "file": str(path),
+                        "start": start,
+                        "end": end,
+                        "line": line,
+                        "lines": lines,
+                        "header": header,
+                    }
+                )
                 line += lines
                 start = end
     return ranges
@@ -173,30 +183,55 @@ def _line_records(path: Path, start: int, end: int, first_line: int, header: lis
         yield number, record, None
 
 
-def _rows(numbers, records, whys, encoder: Encoder, sample_every: int, text_field: str) -> dict:
-    """The output columns for a batch of (line, record or None, why)."""
+def _list_array(lists: list, dtype):
+    """A pyarrow list array built through numpy: no per-element Python work in Arrow's converter."""
+    import itertools
+
+    import numpy as np
+    import pyarrow as pa
+
+    offsets = np.zeros(len(lists) + 1, np.int32)
+    np.cumsum([len(x) for x in lists], out=offsets[1:])
+    values = np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=int(offsets[-1]))
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+
+def _rows(numbers, wheres, records, whys, encoder: Encoder, sample_every: int, text_field: str):
+    """The output columns (a pyarrow table) for a batch of (line, file:line, record or None, why)."""
+    import numpy as np
+    import pyarrow as pa
+
     good = [i for i, r in enumerate(records) if r is not None]
     encoded = dict(zip(good, encoder.encode([records[i] for i in good])))
-    out = {"line": [], "status": [], "why": [], "ids": [], "target": [], "sample": []}
+    status, why, ids, masked, target, sample = [], [], [], [], [], []
     for i, number in enumerate(numbers):
         enc = encoded.get(i)
         if enc is None:
-            status, why, ids, target = STATUS_BAD_LINE, whys[i], [], []
+            status.append(STATUS_BAD_LINE)
+            why.append(whys[i])
         elif enc.ids is None:
-            status, why, ids, target = STATUS_BAD_RECORD, enc.why, [], []
+            status.append(STATUS_BAD_RECORD)
+            why.append(f"{wheres[i]}: {enc.why}")
         else:
-            status, why, ids, target = STATUS_OK, None, enc.ids, enc.target
-        sample = None
-        if enc is not None and number % sample_every == 0:
-            value = records[i].get(text_field)
-            sample = value if isinstance(value, str) else None
-        out["line"].append(number)
-        out["status"].append(status)
-        out["why"].append(why)
-        out["ids"].append(ids)
-        out["target"].append(target)
-        out["sample"].append(sample)
-    return out
+            status.append(STATUS_OK)
+            why.append(None)
+        ok = enc is not None and enc.ids is not None
+        ids.append(enc.ids if ok else ())
+        masked.append(enc.masked if ok else 0)
+        target.append(enc.target if ok and enc.target is not None else ())
+        value = records[i].get(text_field) if enc is not None and number % sample_every == 0 else None
+        sample.append(value if isinstance(value, str) else None)
+    return pa.table(
+        {
+            "line": pa.array(numbers, pa.int64()),
+            "status": pa.array(status, pa.int8()),
+            "why": pa.array(why, pa.string()),
+            "ids": _list_array(ids, np.int32),
+            "masked": pa.array(masked, pa.int32()),
+            "target": _list_array(target, np.bool_),
+            "sample": pa.array(sample, pa.string()),
+        }
+    )
 
 
 class LineTask:
@@ -206,15 +241,16 @@ class LineTask:
         self.encoder, self.sample_every, self.text_field = encoder, sample_every, text_field
 
     def __call__(self, batch: dict) -> dict:
-        numbers, records, whys = [], [], []
+        numbers, wheres, records, whys = [], [], [], []
         for path, start, end, line, header in zip(
             batch["file"], batch["start"], batch["end"], batch["line"], batch["header"]
         ):
             for number, record, why in _line_records(Path(path), start, end, line, header):
                 numbers.append(number)
+                wheres.append(f"{path}:{number}")
                 records.append(record)
                 whys.append(why)
-        return _rows(numbers, records, whys, self.encoder, self.sample_every, self.text_field)
+        return _rows(numbers, wheres, records, whys, self.encoder, self.sample_every, self.text_field)
 
 
 class RecordTask:
@@ -230,8 +266,9 @@ class RecordTask:
             [dict(zip(keys, values)) for values in zip(*batch.values())] if keys else [{} for _ in indices]
         )
         numbers = [i + self.first_line for i in indices]
+        wheres = [f"{self.label}:{number}" for number in numbers]
         return _rows(
-            numbers, records, [None] * len(records), self.encoder, self.sample_every, self.text_field
+            numbers, wheres, records, [None] * len(records), self.encoder, self.sample_every, self.text_field
         )
 
 
@@ -269,8 +306,9 @@ def features():
             "line": datasets.Value("int64"),
             "status": datasets.Value("int8"),
             "why": datasets.Value("string"),
-            "ids": datasets.Sequence(datasets.Value("int32")),
-            "target": datasets.Sequence(datasets.Value("bool")),
+            "ids": datasets.List(datasets.Value("int32")),
+            "masked": datasets.Value("int32"),
+            "target": datasets.List(datasets.Value("bool")),
             "sample": datasets.Value("string"),
         }
     )
@@ -283,7 +321,7 @@ def encode_source(source: Source, encoder: Encoder, workers: int, work_dir: Path
     work_dir.mkdir(parents=True, exist_ok=True)
     if source.line_based:
         ranges = line_ranges(source.files)
-        sample_every = max(1, sum(r["line"] for r in ranges[-1:]) // 2000)
+        sample_every = max(1, sum(r["lines"] for r in ranges) // SAMPLE_RECORDS)
         tasks = datasets.Dataset.from_list(ranges) if ranges else None
         if tasks is None:
             return datasets.Dataset.from_dict({k: [] for k in features()}, features=features())
@@ -301,7 +339,7 @@ def encode_source(source: Source, encoder: Encoder, workers: int, work_dir: Path
         )
     records = load_structured(source, cache_dir=str(work_dir / "hf"))
     first_line = 2 if source.files and source.files[0].suffix.lower() == ".csv" else 1
-    sample_every = max(1, len(records) // 2000)
+    sample_every = max(1, len(records) // SAMPLE_RECORDS)
     return records.map(
         RecordTask(encoder, sample_every, text_field, source.label, first_line),
         batched=True,
