@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from dataclasses import dataclass
 
 from flask import Blueprint, current_app, render_template, request, url_for
@@ -107,21 +108,39 @@ def error_page(status: int, message: str):
 
 @bp.app_template_filter("num")
 def format_number(value, digits: int = 4) -> str:
-    if value is None:
+    """The dashboard's one way to show a number; ``fmt`` in static/charts.js is the same rule, so the page
+    reads the same before and after its scripts refresh it. From 1,000 up a whole number with thousands
+    separators (counts and rates: 40,981 tokens/s, never 4.098e+04); below, ``digits`` significant digits
+    (0.1235, 12.35); below 0.001, an exponent (learning rates: 3e-4, 2.5e-5); missing or not finite: "-"."""
+    if value is None or isinstance(value, bool) or not math.isfinite(value):
         return "-"
     if isinstance(value, int):
         return f"{value:,}"
-    return f"{value:.{digits}g}"
+    if value != 0 and abs(value) < 1e-3:
+        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
+        return f"{float(mantissa):g}e{int(exponent)}"
+    rounded = float(f"{value:.{digits}g}")
+    if abs(rounded) >= 1000:
+        return f"{math.floor(value + 0.5):,}"  # halves round up, as JavaScript's Math.round does
+    return f"{rounded:.{digits}g}"
 
 
 @bp.app_template_filter("duration")
 def format_duration(seconds) -> str:
+    """As ``duration`` in static/app.js: 45 s, 12 min 5 s, 3 h 20 min, 2 days 4 h."""
     if seconds is None:
         return "-"
-    seconds = int(seconds)
-    hours, rest = divmod(seconds, 3600)
+    seconds = max(0, math.floor(seconds + 0.5))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
     minutes, secs = divmod(rest, 60)
-    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
+    if days:
+        return f"{days} day{'s' if days > 1 else ''}" + (f" {hours} h" if hours else "")
+    if hours:
+        return f"{hours} h" + (f" {minutes} min" if minutes else "")
+    if minutes:
+        return f"{minutes} min" + (f" {secs} s" if secs else "")
+    return f"{secs} s"
 
 
 @bp.app_template_filter("clock")

@@ -25,12 +25,18 @@ const Charts = (() => {
     return out;
   }
 
+  // The dashboard's one number format, the same rule as the server's `num` filter (dashboard/views.py):
+  // from 1,000 up a whole number with thousands separators (40,981 tokens/s), below that `digits`
+  // significant digits (0.1235), below 0.001 an exponent (3e-4); missing or not finite: "-".
   function fmt(value, digits = 4) {
-    if (value === null || value === undefined || !Number.isFinite(value)) return "-";
-    if (Number.isInteger(value) && Math.abs(value) < 1e15) return value.toLocaleString("en-US");
-    const abs = Math.abs(value);
-    if (abs !== 0 && (abs < 1e-3 || abs >= 1e6)) return value.toExponential(digits - 2).replace("e+", "e");
-    return Number(value.toPrecision(digits)).toString();
+    if (typeof value !== "number" || !Number.isFinite(value)) return "-";
+    if (value !== 0 && Math.abs(value) < 1e-3) {
+      const [mantissa, exponent] = value.toExponential(digits - 1).split("e");
+      return `${Number(mantissa)}e${Number(exponent)}`;
+    }
+    const rounded = Number(value.toPrecision(digits));
+    if (Number.isInteger(value) || Math.abs(rounded) >= 1000) return Math.round(value).toLocaleString("en-US");
+    return String(rounded);
   }
   function compact(value) { // axis ticks: 1.2k, 3.4M
     const abs = Math.abs(value);

@@ -339,3 +339,25 @@ def build_log_root(base: Path, now: float | None = None) -> Path:
         for path in [root / folder, *(root / folder).rglob("*")]:
             os.utime(path, (now - 9000, now - 9000))
     return root
+
+
+# The dashboard's number format (dashboard/views.py `format_number`, static/charts.js `fmt`):
+# (value as text, significant digits, what both show). Text, so NaN survives the trip into the browser.
+NUMBER_CASES = [
+    ("40980.4", 4, "40,980"),  # tokens/s of a fast run: never 4.098e+04
+    ("7648.0", 4, "7,648"),  # and of a slow one, the same way
+    ("1040", 4, "1,040"),
+    ("123456789.7", 4, "123,456,790"),  # no exponent for large counts either
+    ("1000.5", 4, "1,001"),  # halves round up on both sides
+    ("999.96", 4, "1,000"),  # rounds up into the separated range
+    ("12.3456", 4, "12.35"),
+    ("0.1234567", 4, "0.1235"),
+    ("-0.5", 4, "-0.5"),
+    ("0", 4, "0"),
+    ("0.001", 4, "0.001"),
+    ("3e-4", 3, "3e-4"),  # learning rates keep an exponent
+    ("2.5e-5", 4, "2.5e-5"),
+    ("0.00099996", 4, "1e-3"),
+    ("NaN", 4, "-"),
+    ("Infinity", 4, "-"),
+]

@@ -1,10 +1,12 @@
 """A real browser (headless Chromium through selenium and the system chromedriver) against a live
 dashboard: the cards fill, the charts draw, polling fetches only new steps, hover shows values, drag
-zooms, three runs compare, the view survives a reload from its URL, dark theme, a phone's 390 px, and
-a killed run reads "dead". Screenshots go to test-artifacts/."""
+zooms, three runs compare, the view survives a reload from its URL, dark theme, a phone's 390 px (no
+page or tab scrolls sideways), numbers formatted as the server formats them, and a killed run reads
+"dead". Screenshots go to test-artifacts/."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -23,7 +25,17 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 from werkzeug.serving import make_server
 
 from dashboard import create_app
-from tests.dashboard.fixtures import DEMO, LAST_STEP, append, build_log_root, demo_loss, train_record
+from dashboard.views import format_number
+from tests.dashboard.fixtures import (
+    DEMO,
+    LAST_STEP,
+    NUMBER_CASES,
+    append,
+    build_log_root,
+    demo_loss,
+    train_record,
+    write_config,
+)
 from tests.helpers import REPO
 from trainer import runfolder
 
@@ -51,15 +63,44 @@ def browser():
     shutil.rmtree(profile, ignore_errors=True)
 
 
+def live(root: Path):
+    """A live dashboard (threaded werkzeug server) over ``root``, with a token: (server, its URL)."""
+    server = make_server("127.0.0.1", 0, create_app(root, {"DASHBOARD_TOKEN": TOKEN}), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}"
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A live dashboard (threaded werkzeug server) over the hand-made log root, with a token."""
+    """The dashboard over the hand-made log root."""
     root = build_log_root(tmp_path_factory.mktemp("browser"))
-    app = create_app(root, {"DASHBOARD_TOKEN": TOKEN})
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield {"url": f"http://127.0.0.1:{server.server_port}", "root": root}
+    server, url = live(root)
+    yield {"url": url, "root": root}
+    server.shutdown()
+
+
+# A sweep's jobs: long run names without a space, and two throughputs an order of magnitude apart.
+SWEEP_RUNS = {
+    "sweep-example/tiny_instructions_variant-rslora_r16_seed1": 40980.4,
+    "sweep-example/tiny_corpus_variant-lora_r8_seed2": 7648.0,
+}
+
+
+@pytest.fixture(scope="module")
+def sweep_served(tmp_path_factory):
+    """The dashboard over a sweep folder (sweep.json) holding the SWEEP_RUNS."""
+    root = tmp_path_factory.mktemp("sweep") / "runs"
+    now = time.time()
+    for rank, (name, speed) in enumerate(SWEEP_RUNS.items()):
+        records = [{**train_record(s, now - 30 + s, 3.0 / s), "tokens_per_sec": speed} for s in range(1, 21)]
+        append(root / name / runfolder.LOGS_DIR / runfolder.TRAINING_LOG, records)
+        write_config(root / name, 1e-4, 8 << rank)  # the config tab shows the keys that differ
+    jobs = [{"name": n.split("/")[1], "state": "running", "output_dir": str(root / n)} for n in SWEEP_RUNS]
+    summary = {"sweep": "sweep-example", "status": "running", "updated_at": now, "jobs": jobs,
+               "counts": {"queued": 0, "running": 2, "done": 0, "failed": 0}}  # fmt: skip
+    (root / "sweep-example" / "sweep.json").write_text(json.dumps(summary))
+    server, url = live(root)
+    yield {"url": url, "root": root}
     server.shutdown()
 
 
@@ -199,6 +240,89 @@ def test_readable_on_a_phone(browser, served):
         save(browser, "dashboard-phone-checkpoints.png")
     finally:
         browser.set_window_size(1280, 2400)
+
+
+def overflow(driver) -> int:
+    """How far the page reaches past the screen sideways. clientWidth, not innerWidth: the vertical
+    scrollbar takes its width from the page, and anything under it scrolls sideways too."""
+    return driver.execute_script(
+        "const e = document.documentElement; return e.scrollWidth - Math.min(e.clientWidth, window.innerWidth);"
+    )
+
+
+LONG, OTHER = SWEEP_RUNS
+PHONE_PAGES = [
+    ("served", ""),
+    ("served", "&compare=failed,sweep/lr-1e-4"),
+    ("served", "&run=failed"),
+    ("sweep_served", f"&run={LONG}&compare={OTHER}"),  # long names in the pickers, chips and legends
+]
+
+
+@pytest.mark.parametrize("fixture, query", PHONE_PAGES, ids=["demo", "compare", "failed", "sweep-compare"])
+def test_every_tab_fits_a_phone_screen(browser, request, fixture, query):
+    """At 390 px nothing scrolls sideways, on any tab: charts, tables, legends, pickers."""
+    base = request.getfixturevalue(fixture)["url"]
+    browser.set_window_size(390, 844)
+    try:
+        browser.get(f"{base}/?token={TOKEN}&interval=30{query}")
+        wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1")
+        wait(browser, lambda d: charts_drawn(d, ("loss",)), message="charts did not draw")
+        compared = query.partition("compare=")[2].split(",") if "compare=" in query else []
+        wait(
+            browser,
+            lambda d: set(compared) <= set(series_labels(d, "loss")),
+            message="compared runs not drawn",
+        )
+        assert overflow(browser) <= 0, "charts"
+        for tab in ("evals", "checkpoints", "events", "devices", "config"):
+            browser.find_element(By.ID, f"tab-{tab}").click()
+            wait(browser, lambda d, tab=tab: d.find_element(By.ID, f"panel-{tab}").is_displayed())
+            if tab == "config":
+                wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#config-table tbody tr"))
+            assert overflow(browser) <= 0, tab
+        browser.execute_script("document.getElementById('panel-config').scrollIntoView();")
+        save(browser, f"phone-config-{request.node.callspec.id}.png")
+    finally:
+        browser.set_window_size(1280, 2400)
+
+
+@pytest.mark.parametrize(
+    "fixture, path", [("served", "/runs"), ("sweep_served", "/runs"), ("served", "/nope")]
+)
+def test_the_other_pages_fit_a_phone_screen(browser, request, fixture, path):
+    base = request.getfixturevalue(fixture)["url"]
+    browser.set_window_size(390, 844)
+    try:
+        browser.get(f"{base}{path}?token={TOKEN}")
+        assert browser.find_element(By.TAG_NAME, "main").is_displayed()
+        assert overflow(browser) <= 0
+    finally:
+        browser.set_window_size(1280, 2400)
+
+
+def test_runs_table_shows_tokens_per_sec_one_way(browser, sweep_served):
+    """Thousands separators, no exponent, whatever the magnitude (it once read 4.098e+04 beside 7648)."""
+    browser.get(f"{sweep_served['url']}/runs?token={TOKEN}")
+    shown = {
+        row.get_attribute("data-run"): row.find_element(By.CSS_SELECTOR, "td[data-label='tokens/s']").text
+        for row in browser.find_elements(By.CSS_SELECTOR, "#runs-table tbody tr")
+    }
+    assert shown == {LONG: "40,980", OTHER: "7,648"}
+    browser.get(f"{sweep_served['url']}/?token={TOKEN}&interval=30&run={LONG}")
+    wait(browser, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1")
+    assert text_of(browser, "tokens_per_sec") == "40,980"  # the card, after the page's own refresh
+
+
+def test_the_page_formats_numbers_as_the_server_does(browser, served):
+    """static/charts.js's fmt and the server's num filter: one rule, the same text for every case."""
+    open_page(browser, served["url"])
+    values = [(text, digits) for text, digits, _ in NUMBER_CASES]
+    in_browser = browser.execute_script(
+        "return arguments[0].map(([text, digits]) => Charts.fmt(Number(text), digits));", values
+    )
+    assert in_browser == [format_number(float(text), digits) for text, digits in values]
+    assert in_browser == [shown for _, _, shown in NUMBER_CASES]
 
 
 def test_empty_root_page_fills_once_a_run_appears(browser, tmp_path: Path):

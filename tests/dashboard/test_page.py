@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from dashboard.__main__ import parse_args
-from tests.dashboard.fixtures import DEMO, LAST_STEP
+from dashboard.views import format_duration, format_number
+from tests.dashboard.fixtures import DEMO, LAST_STEP, NUMBER_CASES
 from tests.helpers import REPO
 from trainer.runfolder.plots import PLOT_NAMES
 
@@ -65,6 +66,21 @@ def test_page_for_a_chosen_run_and_interval(client):
     assert data["run"] == "failed" and data["errors"]["count"] == 1
     assert 'data-interval="2.0"' in html
     assert client.get("/?interval=0").status_code == 400
+
+
+@pytest.mark.parametrize("text, digits, shown", NUMBER_CASES)
+def test_numbers_are_shown_one_way(text, digits, shown):
+    """Thousands separators and no exponent from 1,000 up; the browser test holds static/charts.js to the same."""
+    assert format_number(float(text), digits) == shown
+
+
+def test_counts_durations_and_missing_values_in_the_page(client):
+    assert (format_number(40980), format_number(None), format_number(True)) == ("40,980", "-", "-")
+    # As app.js writes them, so a card reads the same before and after the page refreshes it.
+    durations = [format_duration(s) for s in (None, 9.4, 65, 3600, 3725, 2 * 86400 + 4 * 3600)]
+    assert durations == ["-", "9 s", "1 min 5 s", "1 h", "1 h 2 min", "2 days 4 h"]
+    html = client.get("/").get_data(as_text=True)
+    assert 'data-stat="tokens_per_sec">1,040<' in html  # the demo run's last step: 1000.0 + 40
 
 
 ISOLATION_SCRIPT = textwrap.dedent(
