@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ class KernelPathUnavailable(ModelLoadError):
 class KernelChoice:
     path: str
     checks: tuple = ()  # kernelcheck.KernelCheck of every path tried, in the order tried
+    seconds: float = 0.0  # the self-checks' wall time (on a fresh machine mostly Triton compiling, tuning)
 
 
 def self_check_runs_on(device: torch.device) -> bool:
@@ -72,12 +74,13 @@ def choose(family: Family, hf_config, forced: str, device: torch.device, dtype: 
     else:
         candidates = [forced]
     results: list = []
+    start = time.perf_counter()
     for tried, path in enumerate(candidates):
         found = _check(family, hf_config, path, device, dtype)
         results.extend(found)
         failed = kernelcheck.failures(found)
         if not failed:
-            return KernelChoice(path, tuple(results))
+            return KernelChoice(path, tuple(results), time.perf_counter() - start)
         reason = kernelcheck.describe_failures(failed)
         if forced != "auto":
             raise KernelPathUnavailable(

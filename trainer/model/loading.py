@@ -385,7 +385,7 @@ def _kernel_line(family: Family, model_type: str, choice: kernel_choice.KernelCh
     line = f"kernels: {family.name}/{model_type} runs on {choice.path}"
     if choice.checks:
         errors = ", ".join(f"{c.kernel} {c.error:.1e}{'' if c.passed else ' FAILED'}" for c in choice.checks)
-        line += f" (self-check, relative error: {errors})"
+        line += f" (self-check in {choice.seconds:.1f} s, relative error: {errors})"
     return line
 
 
@@ -464,4 +464,5 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
     fused = fast_report.fused_loss
     report["chunked_loss"] = chunked_loss.enable(model, cfg.memory.chunked_loss and not fused)
     report["kernel_path"] = kernel_path
+    report["kernel_check_s"] = round(choice.seconds, 2)
     return model, report, shards
