@@ -93,6 +93,9 @@ class Row:
     method: str = (
         "lora"  # training.method: lora, or qlora (NF4 base, the family's kernel-read modules kept 16-bit)
     )
+    # The loop's autocast (mixed precision). Off: bf16 weights without autocast, as configs/tiny-*.yaml run on a
+    # GPU (training.mixed_precision no, model.dtype auto = bf16), where Mamba-1 on mambapy once crashed (issue 30).
+    autocast: bool = True
 
 
 def rows(args) -> list[Row]:
@@ -113,6 +116,25 @@ def rows(args) -> list[Row]:
             "mamba-130m lora reference", MAMBA_130M, "lora", None, b_m1, path="reference", checkpointing=True
         ),
         Row("mamba-130m qlora fast", MAMBA_130M, "lora", None, b_m1, checkpointing=True, method="qlora"),
+        Row(
+            "mamba-130m lora fast no-autocast",
+            MAMBA_130M,
+            "lora",
+            None,
+            b_m1,
+            checkpointing=True,
+            autocast=False,
+        ),
+        Row(
+            "mamba-130m qlora fast no-autocast",
+            MAMBA_130M,
+            "lora",
+            None,
+            b_m1,
+            checkpointing=True,
+            method="qlora",
+            autocast=False,
+        ),  # fmt: skip
     ]
 
 
@@ -189,13 +211,13 @@ def kit_config(folder: Path, row: Row, seq: int, smoke: bool):
 class Accel:
     """What the micro-batch loss needs: a device and an autocast context."""
 
-    def __init__(self, device, dtype):
-        self.device, self._dtype = device, dtype
+    def __init__(self, device, dtype, enabled: bool = True):
+        self.device, self._dtype, self._enabled = device, dtype, enabled
 
     def autocast(self):
         import torch
 
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or not self._enabled:
             return contextlib.nullcontext()
         return torch.autocast("cuda", dtype=self._dtype)
 
@@ -340,7 +362,7 @@ def timed_training(loaded, cfg, row: Row, seq: int, steps: int, device, vocab: i
     rows_ = [torch.randint(3, vocab, (seq,), generator=gen).tolist() for _ in range(row.batch)]
     batch = collate([Sequence(r, r, list(range(seq))) for r in rows_], 0)
     targets = count_targets(batch)
-    accel = Accel(device, torch.bfloat16)
+    accel = Accel(device, torch.bfloat16, row.autocast)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     model.train()
     warmup = min(3, steps)
@@ -381,6 +403,7 @@ def run_row(row: Row, steps: int, seq: int, smoke: bool) -> dict:
     result = {"row": row.name, "variant": row.variant, "method": row.method, "batch": row.batch, "seq": seq}
     result["steps"] = steps
     result["gradient_checkpointing"] = row.checkpointing
+    result["autocast"] = row.autocast
     why = missing_kernels(row, cuda)
     if why:
         return {**result, "status": "skipped", "reason": why}

@@ -315,3 +315,21 @@ def test_self_check_results_are_measured_once_per_process_key_and_dtype(fresh_ca
     kernelcheck.run(CPU, torch.float32, {"op": check}, key=("gla", "fla-triton", "{other config}"))
     kernelcheck.run(CPU, torch.float32, {"op": check})  # no key: measured every time
     assert calls == [torch.float32, torch.bfloat16, torch.float32, torch.float32]
+
+
+def test_mamba_check_runs_16bit_weights_without_autocast_too(mamba_gpu, monkeypatch):
+    """A bf16 check runs the mixer as every bf16 run may: bf16 weights without autocast as well as under it.
+    mambapy's scan without its fp32 read-out passed the check under autocast alone and then crashed at step
+    one of a run with bf16 weights and no mixed precision; now the check fails it, and the fixed scan passes."""
+    from trainer.families.mamba import MAMBA
+
+    hf_config = mamba_config("tiny-mamba")
+    module, _ = mamba_gpu._modeling("mamba")
+    monkeypatch.setattr(module, "mamba_selective_scan", module.mamba_selective_scan)  # rebound below
+    choice = kernel_choice.choose(MAMBA, hf_config, "mambapy", CPU, torch.bfloat16)
+    assert [(c.kernel, c.passed) for c in choice.checks] == [("mambapy_pscan", True)]
+
+    monkeypatch.setattr(mamba_gpu, "_readout_in_fp32", lambda scan: scan)  # the scan as transformers has it
+    monkeypatch.setattr(kernelcheck, "_CACHE", {})
+    with pytest.raises(kernel_choice.KernelPathUnavailable, match="mambapy_pscan RuntimeError: expected"):
+        kernel_choice.choose(MAMBA, hf_config, "mambapy", CPU, torch.bfloat16)

@@ -400,3 +400,72 @@ def test_mamba1_kernel_path_decides_whether_mambapy_trains(tmp_path, monkeypatch
     loaded.model.train()
     loaded.model(input_ids=ids, labels=ids).loss.backward()
     assert bool(calls) is scans
+
+
+class _Accelerator:
+    """What forward_loss needs from accelerate: the device and the loop's autocast (on under mixed precision)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, mixed_precision: str):
+        self.mixed_precision = mixed_precision
+
+    def autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.mixed_precision == "bf16")
+
+
+# (method, model.dtype, training.mixed_precision, kernel path): every way a GPU run of tiny-mamba may take
+# bf16. The first is configs/tiny-mamba.yaml on a GPU (model.dtype auto is bf16 there, mixed precision off),
+# which crashed at step one on mambapy: `all_states @ C` with fp32 states and bf16 C, no autocast to cast them.
+MAMBA1_REGIMES = [
+    ("lora", "bf16", "no", "mambapy"),
+    ("lora", "bf16", "bf16", "mambapy"),
+    ("lora", "fp32", "bf16", "mambapy"),
+    ("lora", "bf16", "no", "torch-reference"),
+    ("qlora", "bf16", "no", "mambapy"),
+    ("qlora", "bf16", "bf16", "mambapy"),
+]
+
+
+@pytest.mark.parametrize("method, dtype, mixed_precision, path", MAMBA1_REGIMES)
+def test_mamba1_trains_in_bf16_without_autocast_as_a_gpu_run_does(
+    tmp_path, monkeypatch, method, dtype, mixed_precision, path
+):
+    """The GPU's code path and dtypes on a CPU: bf16 weights (and, for QLoRA, the 16-bit parameters a GPU run
+    keeps, ``keeps_16bit_under_qlora``), x_proj's C in bf16 into mambapy's fp32 states, with or without the
+    loop's autocast. A few steps train, and the mixer really got bf16 C from x_proj where the weights are bf16."""
+    from trainer.model import loading
+    from trainer.training.step import count_targets, forward_loss
+
+    if path == "mambapy" and not mamba_family._mambapy_trains():
+        pytest.skip("this transformers' Mamba-1 mixer never trains through mambapy")
+    if method == "qlora":
+        pytest.importorskip("bitsandbytes")
+        monkeypatch.setattr(loading, "keeps_16bit_under_qlora", lambda *args: True)  # as on a GPU
+    extra = {
+        "model": {"dtype": dtype, "kernel_path": path},
+        "training": {"method": method, "mixed_precision": mixed_precision},
+        "quantization": {"compute_dtype": "bf16"},
+        "lora": {"dropout": 0.0},
+    }
+    cfg = load_config(family_config(tmp_path, "tiny-mamba", ["in_proj", "x_proj"], extra))
+    loaded = loading.load_for_training(cfg, torch.device("cpu"))
+    assert loaded.report["kernel_path"] == path
+    model = loaded.model.train()
+    seen_c = []
+    for name, module in model.named_modules():
+        if name.endswith("mixer.x_proj"):
+            module.register_forward_hook(lambda mod, args, out: seen_c.append(out.dtype))
+    rows = [Sequence(list(range(4, 36)), list(range(4, 36)), list(range(32))) for _ in range(2)]
+    batch = collate(rows, 0)
+    accelerator = _Accelerator(mixed_precision)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses_seen = []
+    for _ in range(4):
+        optimizer.zero_grad(set_to_none=True)
+        ce_sum, _ = forward_loss(model, batch, accelerator)
+        (ce_sum / count_targets(batch)).backward()
+        optimizer.step()
+        losses_seen.append(float(ce_sum.detach()) / count_targets(batch))
+    assert all(torch.isfinite(torch.tensor(losses_seen))) and losses_seen[-1] < losses_seen[0], losses_seen
+    assert set(seen_c) == {torch.bfloat16}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainer.families import register
+from trainer.families import fla_tuning, register
 from trainer.families.base import Family, ModelLoadError, current_kernel_path
 from trainer.families.extras import MODEL_TYPES
 from trainer.families.gla_reference import naive_gla
@@ -150,6 +150,7 @@ def use_triton_ops() -> None:
 
 def configure(hf_config, cfg):
     _import_fla()
+    fla_tuning.use_tuned_configs()  # before any fla kernel runs, the self-check's included
     # fla's fused SwiGLU reads down_proj.weight directly: a 4-bit or LoRA-wrapped down_proj would be
     # bypassed, so the MLP runs unfused whenever adapters or quantization are involved.
     if cfg.training.method != "full":

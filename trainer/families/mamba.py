@@ -11,7 +11,8 @@ first that can run here and passes its start-up self-check, trainer/families/mam
   are pure-Python wheels.
 - ``mambapy`` (Mamba-1 without mamba_ssm): the mambapy package's parallel scan, pure PyTorch, about
   15x faster than the sequential reference loop on a CPU, where transformers' mixer trains through it
-  (``_mambapy_trains``: transformers 5.24 does, after its ``mamba_inner_fn`` finds no mamba_ssm).
+  (``_mambapy_trains``: transformers 5.24 does, after its ``mamba_inner_fn`` finds no mamba_ssm); its
+  read-out runs in fp32, which makes 16-bit weights without autocast train (``_readout_in_fp32``).
 - ``torch-reference``: transformers' PyTorch code. Fine for tests on a CPU; on a GPU it is slow and,
   for Mamba-2, memory-hungry, so a GPU run on it prints a loud warning.
 
@@ -241,9 +242,46 @@ def use_fla_kernels() -> None:
     """Point transformers' Mamba-2 mixer at the fla functions above (CUDA only, process-wide)."""
     from transformers.models.mamba2 import modeling_mamba2
 
+    from trainer.families import fla_tuning
+
+    fla_tuning.use_tuned_configs()
     for name, fast in zip(FLA_SWAPPED, (fla_ssd_scan, fla_causal_conv1d)):
         _REPLACED.setdefault((modeling_mamba2.__name__, name), getattr(modeling_mamba2, name))
         setattr(modeling_mamba2, name, fast)
+
+
+# The Mamba-1 function the mambapy path rebinds (trainer/families/mamba.py ``use_mambapy_scan``).
+MAMBAPY_SWAPPED = "mamba_selective_scan"
+
+
+def _readout_in_fp32(scan):
+    """transformers' selective scan, with its mambapy branch's read-out ``all_states @ C`` in one dtype.
+
+    That branch builds its states in fp32 (``discrete_A``, ``deltaB_u`` are upcast) and multiplies them by C,
+    which comes out of x_proj in the weights' dtype. Under autocast the matmul casts both to 16 bits, which is
+    why the start-up check (run under autocast) passed; a run with 16-bit weights and no mixed precision
+    (``training.mixed_precision: no`` with ``model.dtype`` bf16, or ``auto`` on a GPU: the tiny configs) has
+    no autocast, and the matmul raised ``expected scalar type Float but found BFloat16`` at the first step.
+    Here C is read out in fp32, as the states are; the mixer casts the result back to its dtype before
+    out_proj. The sequential branch (``use_mambapy`` off) casts the state to C's dtype itself."""
+
+    @functools.wraps(scan)
+    def selective_scan(hidden_states, dt, A, B, C, *args, **kwargs):
+        if kwargs.get("use_mambapy"):
+            C = C.float()
+        return scan(hidden_states, dt, A, B, C, *args, **kwargs)
+
+    return selective_scan
+
+
+def use_mambapy_scan() -> None:
+    """Point transformers' Mamba-1 mixer at its PyTorch selective scan with an fp32 read-out (process-wide)."""
+    from transformers.models.mamba import modeling_mamba
+
+    native = _REPLACED.setdefault(
+        (modeling_mamba.__name__, MAMBAPY_SWAPPED), getattr(modeling_mamba, MAMBAPY_SWAPPED)
+    )
+    setattr(modeling_mamba, MAMBAPY_SWAPPED, _readout_in_fp32(inspect.unwrap(native)))
 
 
 def _modeling(model_type: str):
@@ -270,7 +308,8 @@ def _mixer_calls(model_type: str) -> list[str]:
 def use_kernel_path(model_type: str, path: str) -> None:
     """Bind transformers' mixer module to ``path`` (process-wide, until the next call): ``mamba_ssm``
     transformers' own bindings (its kernels, where it found them); any other path its PyTorch functions,
-    which ``fla-triton-ssd`` then partly replaces with fla's. So a run moved off mamba_ssm by a failed
+    which ``fla-triton-ssd`` then partly replaces with fla's, and ``mambapy`` (Mamba-1) with its scan read out
+    in fp32 (``_readout_in_fp32``). So a run moved off mamba_ssm by a failed
     self-check, or by ``model.kernel_path``, cannot reach mamba_ssm's kernels any more."""
     module, _ = _modeling(model_type)
     for name in _mixer_calls(model_type):
@@ -283,6 +322,8 @@ def use_kernel_path(model_type: str, path: str) -> None:
             setattr(module, name, target)
     if path == KERNEL_FLA:
         use_fla_kernels()
+    if path == KERNEL_MAMBAPY and model_type == "mamba":
+        use_mambapy_scan()
 
 
 @contextlib.contextmanager

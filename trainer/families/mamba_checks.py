@@ -4,7 +4,8 @@ Which kernels a Mamba mixer calls depends on the path and on transformers' versi
 ``mamba_inner_fn``, Mamba-2 through ``mamba_split_conv1d_scan_combined`` on mamba_ssm, through fla's scan
 and convolution on ``fla-triton-ssd``), so the check runs the mixer itself rather than one op: a single
 layer of the model's own sizes, in training mode, on random input of the run's compute dtype, bound to the
-path's kernels (``mamba.kernels_of``; under autocast in 16 bits, as the loop runs it), against the same
+path's kernels (``mamba.kernels_of``; a 16-bit dtype in each way the loop runs it: 16-bit weights without
+autocast, and under autocast over 16-bit or fp32 weights), against the same
 layer in fp32 on transformers' PyTorch functions (``mamba.reference_kernels``), output and every gradient (input and each parameter) compared as
 trainer/kernelcheck.py does. Mamba-2 runs one and a half of its chunks, so the state passed
 between chunks is exercised.
@@ -29,29 +30,38 @@ def tokens(hf_config) -> int:
     return min(chunk + chunk // 2, MAX_TOKENS)
 
 
+# How the loop may run a 16-bit compute dtype: (the weights' dtype, autocast on), the weights' dtype None for
+# the compute dtype itself. ``training.mixed_precision: no`` with 16-bit weights (``model.dtype`` bf16, or
+# ``auto`` on a GPU) runs without autocast; mixed precision runs under it, over fp32 or 16-bit weights.
+REGIMES_16BIT = ((None, False), (None, True), (torch.float32, True))
+
+
 def check_mixer(device, dtype, hf_config, mixer_class, on_path, on_reference, mambapy: bool = False) -> float:
     """One mixer on the path's kernels (``on_path()``) against the same mixer in fp32 on transformers'
-    PyTorch functions (``on_reference()``); the family passes both switches in (trainer/families/mamba.py)."""
+    PyTorch functions (``on_reference()``); the family passes both switches in (trainer/families/mamba.py).
+
+    A 16-bit dtype is checked in each way the loop may run it (``REGIMES_16BIT``): a path that works only
+    under autocast (mambapy's scan once did: fp32 states times 16-bit C) fails here, not at step one."""
     config = copy.deepcopy(hf_config)
     config.num_hidden_layers = 1
     if hf_config.model_type == "mamba":
         config.use_mambapy = False  # the reference: transformers' sequential scan
     reference = mixer_class(config, layer_idx=0).to(device).train()
-    mixer = copy.deepcopy(reference).to(dtype)
-    if mambapy:
-        mixer.use_mambapy = True
     names = [name for name, _ in reference.named_parameters()]
-    params = [p.detach().clone().requires_grad_(True) for p in mixer.parameters()]
-    x = (torch.randn(1, tokens(hf_config), config.hidden_size, device=device) * 0.5).to(dtype)
-    x.requires_grad_(True)
-    # Under autocast as the loop runs a 16-bit run (accelerate's mixed precision): mambapy's scan, for one,
-    # mixes fp32 states with 16-bit weights in a matmul that only autocast makes work.
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    with on_path(), autocast:
-        out = torch.func.functional_call(mixer, dict(zip(names, params)), (x,))
+    x0 = torch.randn(1, tokens(hf_config), config.hidden_size, device=device) * 0.5
 
     def reference_output(x, *values):
         with on_reference():
             return torch.func.functional_call(reference, dict(zip(names, values)), (x,))
 
-    return compare(out, reference_output, [x, *params])
+    errors = []
+    for weights, autocast in REGIMES_16BIT if dtype != torch.float32 else ((None, False),):
+        mixer = copy.deepcopy(reference).to(weights or dtype)
+        if mambapy:
+            mixer.use_mambapy = True
+        params = [p.detach().clone().requires_grad_(True) for p in mixer.parameters()]
+        x = x0.to(weights or dtype).requires_grad_(True)
+        with on_path(), torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            out = torch.func.functional_call(mixer, dict(zip(names, params)), (x,))
+        errors.append(compare(out, reference_output, [x, *params]))
+    return max(errors)

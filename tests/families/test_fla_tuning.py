@@ -1,0 +1,90 @@
+"""fla's tuned Triton configurations: what bench/gla_startup.py exports is what fla's own lookup finds, and the
+family turns the lookup on only for a card the kit has configurations for, never over the user's settings."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from bench import gla_startup
+from trainer.families import fla_tuning
+
+cache = pytest.importorskip("fla.ops.utils.cache", reason="the gla family needs flash-linear-attention")
+
+KEY = [64, "IS_VARLEN", True, "torch.bfloat16", "torch.float32"]  # key values, then the tensors' dtypes
+
+
+def _triton_cache(folder, kernel: str, key, timings: dict) -> None:
+    """One autotuning result as Triton 3.x writes it with cache_results (a hashed sub-folder per key)."""
+    sub = folder / f"hash{len(list(folder.glob('*')))}"
+    sub.mkdir(parents=True)
+    configs = [
+        ({"kwargs": {"BK": bk}, "num_warps": warps, "num_ctas": 1, "num_stages": 2, "maxnreg": None,
+          "pre_hook": None, "ir_override": None}, [ms, ms * 0.9, ms * 1.1])
+        for (bk, warps), ms in timings.items()
+    ]  # fmt: skip
+    (sub / f"{kernel}.autotune.json").write_text(json.dumps({"key": key, "configs_timings": configs}))
+
+
+def test_exported_configs_are_what_fla_looks_up(tmp_path, monkeypatch):
+    triton_cache = tmp_path / "triton"
+    _triton_cache(
+        triton_cache, "chunk_gla_fwd_kernel_o", KEY, {(32, 4): 0.02, (64, 8): 0.01, (64, 2): float("inf")}
+    )
+    _triton_cache(triton_cache, "chunk_gla_fwd_kernel_o", [*KEY[:2], False, *KEY[3:]], {(32, 2): 0.01})
+    folder = tmp_path / "configs"
+    assert gla_startup.main(["export", "--triton-cache", str(triton_cache), "--to", str(folder)]) == 0
+    monkeypatch.setenv("FLA_CONFIG_DIR", str(folder))
+    monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FlaCacheMode.STRICT)
+    found = cache.load_cached_config("chunk_gla_fwd_kernel_o", cache.AutotuneKey(tuple(KEY)))
+    assert found["kwargs"] == {"BK": 64} and found["num_warps"] == 8  # the fastest finite one
+    other = cache.load_cached_config(
+        "chunk_gla_fwd_kernel_o", cache.AutotuneKey(tuple([*KEY[:2], False, *KEY[3:]]))
+    )
+    assert other["kwargs"] == {"BK": 32} and other["num_warps"] == 2
+    assert (
+        cache.load_cached_config("chunk_gla_fwd_kernel_o", cache.AutotuneKey((128, *KEY[1:]))) is None
+    )  # strict
+
+
+def test_two_kernels_of_one_name_disagreeing_are_left_to_autotune(tmp_path):
+    triton_cache = tmp_path / "triton"
+    _triton_cache(triton_cache, "fwd_kernel", KEY, {(32, 4): 0.01})
+    _triton_cache(triton_cache, "fwd_kernel", KEY, {(64, 4): 0.01})
+    _triton_cache(triton_cache, "bwd_kernel", KEY, {(64, 4): 0.01})
+    gla_startup.main(["export", "--triton-cache", str(triton_cache), "--to", str(tmp_path / "out")])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bwd_kernel.json"]
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch, tmp_path):
+    """CUDA looks available, the GPU is called ``Test_GPU``, fla's lookup is off, the user set nothing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cache, "get_gpu_info", lambda: "Test_GPU")
+    monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FlaCacheMode.DISABLED)
+    monkeypatch.setattr(fla_tuning, "CONFIG_ROOT", tmp_path / "fla_configs")
+    for name in fla_tuning.USER_SETTINGS:  # set, then removed: monkeypatch puts them back as they were after
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    return tmp_path / "fla_configs" / "Test_GPU"
+
+
+def test_the_lookup_is_turned_on_for_a_card_with_shipped_configs(on_a_gpu, capsys):
+    assert fla_tuning.use_tuned_configs() is None  # no folder for this card: fla autotunes as before
+    assert cache.FLA_CACHE_MODE is cache.FlaCacheMode.DISABLED
+    on_a_gpu.mkdir(parents=True)
+    (on_a_gpu / "k.json").write_text("{}")
+    assert fla_tuning.use_tuned_configs() == on_a_gpu
+    assert cache.FLA_CACHE_MODE is cache.FlaCacheMode.STRICT
+    assert cache.get_fla_config_dir() == on_a_gpu
+    assert "fla: tuned Triton configurations for Test_GPU (1 kernels)" in capsys.readouterr().out
+
+
+def test_the_users_fla_settings_are_left_alone(on_a_gpu, monkeypatch):
+    on_a_gpu.mkdir(parents=True)
+    monkeypatch.setenv("FLA_CACHE_MODE", "disabled")
+    assert fla_tuning.use_tuned_configs() is None
+    assert cache.FLA_CACHE_MODE is cache.FlaCacheMode.DISABLED and "FLA_CONFIG_DIR" not in os.environ

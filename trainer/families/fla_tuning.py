@@ -1,0 +1,68 @@
+"""fla's Triton kernels start from tuned configurations shipped with the kit instead of autotuning on every machine.
+
+The first time fla meets a kernel shape on a machine, Triton's autotuner compiles every candidate configuration
+(block sizes, warps, pipeline stages; ptxas each time) and times it: on a fresh H200 that was about 7 minutes
+before step 1 of configs/tiny-gla.yaml (issue 30). Triton keeps the results on disk (fla turns its
+``cache_results`` on, ``FLA_CACHE_RESULTS=1``, under ``TRITON_CACHE_DIR``), so later runs on that machine start
+in seconds; a fresh machine (a container, a new cluster node) pays again.
+
+fla can take each kernel's configuration from a JSON file instead (``FLA_CONFIG_DIR``, one file per kernel,
+entries keyed by the autotune key: the key arguments' values and every tensor argument's dtype; the lookup
+``FLA_CACHE_MODE``). The kit ships such files for the cards it was measured on, ``fla_configs/<GPU name>/``
+(written by ``bench/gla_startup.py export`` from a run's Triton autotune cache: the configuration Triton picked,
+with its timing), and turns fla's lookup on in ``strict`` mode: a kernel whose exact key is in its file compiles
+that one configuration; any other shape, dtype or card autotunes as before, once per machine. The start-up
+self-check still measures the kernels that run. ``FLA_CONFIG_DIR`` or ``FLA_CACHE_MODE`` set by the user are
+left alone (``FLA_CACHE_MODE=disabled`` autotunes everything, as before).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CONFIG_ROOT = Path(__file__).resolve().parent / "fla_configs"
+USER_SETTINGS = ("FLA_CONFIG_DIR", "FLA_CACHE_MODE")
+_ANNOUNCED: set[str] = set()
+
+
+def config_dir(gpu_name: str) -> Path:
+    """The kit's folder for this GPU model (fla's sanitized device name, e.g. ``NVIDIA_H100_80GB_HBM3``)."""
+    return CONFIG_ROOT / gpu_name
+
+
+def use_tuned_configs() -> Path | None:
+    """Point fla at the kit's tuned configurations for GPU 0's model (process-wide); the folder, or None where
+    there is none for this card, no CUDA, no fla, or the user chose fla's settings."""
+    import torch
+
+    if not torch.cuda.is_available() or any(name in os.environ for name in USER_SETTINGS):
+        return _applied_folder()
+    try:
+        from fla.ops.utils import cache
+    except Exception:  # noqa: BLE001 - fla or triton absent or broken: nothing to configure
+        return None
+    folder = config_dir(cache.get_gpu_info())
+    if not folder.is_dir():
+        return None
+    # fla reads FLA_CONFIG_DIR at every lookup, and its mode from a module global it sets at import.
+    os.environ["FLA_CONFIG_DIR"] = str(folder)
+    # the variable for child processes (data workers), which read it when they import fla
+    os.environ["FLA_CACHE_MODE"] = cache.FlaCacheMode.STRICT.value
+    cache.FLA_CACHE_MODE = cache.FlaCacheMode.STRICT
+    if str(folder) not in _ANNOUNCED:
+        _ANNOUNCED.add(str(folder))
+        print(
+            f"fla: tuned Triton configurations for {folder.name} ({len(list(folder.glob('*.json')))} kernels); "
+            "shapes not among them autotune once per machine",
+            flush=True,
+        )
+    return folder
+
+
+def _applied_folder() -> Path | None:
+    """The kit's folder where an earlier call (or a parent process) already pointed fla at it."""
+    folder = os.environ.get("FLA_CONFIG_DIR")
+    if folder and Path(folder).resolve().parent == CONFIG_ROOT and Path(folder).is_dir():
+        return Path(folder)
+    return None
