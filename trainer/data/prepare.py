@@ -306,6 +306,20 @@ def documents(batch, mask: np.ndarray, chat: bool) -> tuple[np.ndarray, np.ndarr
     return flat_ids, target.astype(np.uint8), lengths
 
 
+def stream_batches(encoded):
+    """The encoded dataset's record batches, read from its Arrow files one at a time rather than through the
+    memory map, so the pages read are freed as the pass goes on: memory stays flat whatever the corpus size."""
+    import pyarrow as pa
+
+    files = [f["filename"] for f in encoded.cache_files]
+    if not files:  # in memory (nothing to stream from)
+        yield from encoded.data.table.to_batches(max_chunksize=BATCH_ROWS)
+        return
+    for name in files:
+        with pa.OSFile(name) as source:
+            yield from pa.ipc.open_stream(source)
+
+
 def feed(
     encoded, status, in_val, packers: dict, skipped: Skipped, lengths: LengthStats | None, chat: bool
 ) -> None:
@@ -314,7 +328,7 @@ def feed(
     import pyarrow.compute as pc
 
     at = 0
-    for batch in encoded.data.table.to_batches(max_chunksize=BATCH_ROWS):
+    for batch in stream_batches(encoded):
         n = batch.num_rows
         st = status[at : at + n]
         val = in_val[at : at + n]
