@@ -29,7 +29,7 @@ def test_defaults_and_shipped_configs_validate():
         ("data.packing=maybe", "data.packing: expected true or false"),
         (
             "paths.train_file=/nonexistent/data.jsonl",
-            "paths.train_file: file not found: /nonexistent/data.jsonl",
+            "paths.train_file: file or folder not found: /nonexistent/data.jsonl",
         ),
         ("model.name_or_path=./no/such/model", "model.name_or_path: folder not found"),
         ("training.max_steps", "expected section.key=value"),
@@ -169,7 +169,7 @@ def test_a_set_override_takes_the_blame_from_the_file(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(good, ["paths.train_file=/nonexistent/x.jsonl"])
     assert str(info.value) == (
-        "--set paths.train_file=/nonexistent/x.jsonl: paths.train_file: file not found: /nonexistent/x.jsonl"
+        "--set paths.train_file=/nonexistent/x.jsonl: paths.train_file: file or folder not found: /nonexistent/x.jsonl"
     )
 
 

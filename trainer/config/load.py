@@ -110,8 +110,10 @@ def missing_files(config: Config) -> list[Problem]:
         need(Path(email).expanduser().is_file(), "notify.email_config", f"file not found: {email}")
     for key in ("train_file", "val_file"):
         value = getattr(config.paths, key)
+        if key == "train_file" and config.data.dataset:
+            continue  # data.dataset names the training data instead
         if value is not None:
-            need(Path(value).is_file(), f"paths.{key}", f"file not found: {value}")
+            need(Path(value).expanduser().exists(), f"paths.{key}", f"file or folder not found: {value}")
     stage_one = config.lora.sdlora_stage_one_file
     if stage_one is not None and config.lora.method == "sdlora":
         need(Path(stage_one).is_file(), "lora.sdlora_stage_one_file", f"file not found: {stage_one}")
