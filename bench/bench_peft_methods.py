@@ -127,13 +127,14 @@ def lengths(model: Path, glue: Path, train: Path) -> dict:
     from transformers import AutoTokenizer
 
     from trainer.config import DataConfig
-    from trainer.data.dataset import tokenize_record
+    from trainer.data.records import Encoder
     from trainer.tasks.glue import GlueTask
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     records = [json.loads(line) for line in train.read_text().splitlines()]
-    data = DataConfig()  # the kit's own encoding: bos + prompt + response + eos
-    longest = max(len(tokenize_record(r, tokenizer, data, "instruction", str(train))[0]) for r in records)
+    # The kit's own encoding: bos + prompt + response + eos.
+    encoder = Encoder(tokenizer, DataConfig(), "instruction")
+    longest = max(len(e.ids) for e in encoder.encode(records))
     words = GlueTask("sst2", glue).spec.label_words
     answer = max(len(tokenizer(" " + w, add_special_tokens=False)["input_ids"]) for w in words) + 1
     return {"max_length": -(-longest // 8) * 8, "max_new_tokens": answer, "longest_record": longest}

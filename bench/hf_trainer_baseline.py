@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -135,8 +136,8 @@ def main() -> None:
             torch.cuda.synchronize()
             step_times.append(time.perf_counter() - self.t0)
 
-    def collate(batch):
-        return {k: torch.tensor([b[k] for b in batch]) for k in batch[0]}
+    def collate(batch):  # rows are numpy arrays of one length (packed to max_length)
+        return {k: torch.from_numpy(np.stack([b[k] for b in batch])) for k in batch[0]}
 
     training_args = TrainingArguments(
         output_dir=tempfile.mkdtemp(),

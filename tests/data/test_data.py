@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from tests.helpers import REPO, run_trainer
 from trainer.config import DataConfig, PathsConfig
-from trainer.data.dataset import (
-    IGNORE,
-    DataError,
-    DataReport,
-    build_sequences,
-    pack,
-    prepare_data,
-    read_records,
-    split_records,
-)
+from trainer.data import sources
+from trainer.data.dataset import IGNORE, DataError, pack, prepare_data
+from trainer.data.prepare import val_ordinals
 
 
 @pytest.fixture(scope="module")
@@ -31,20 +27,40 @@ def write_lines(path, lines):
     return path
 
 
-def test_malformed_line_skipped_and_counted(tmp_path):
+def prepare(tmp_path, train_file, tokenizer, workers=0, **data):
+    """``prepare_data`` of one file into a cache of this test's own; packing off and no validation unless asked."""
+    cfg = DataConfig(**{"packing": False, "val_fraction": 0.0, "cache_dir": str(tmp_path / "cache"), **data})
+    return prepare_data(
+        PathsConfig(train_file=str(train_file)), cfg, tokenizer, True, workers, log=lambda *a, **k: None
+    )
+
+
+def encoded(tokenizer, text: str) -> list[int]:
+    """A text record's ids as the data layer writes them: BOS + text + EOS."""
+    return [
+        tokenizer.bos_token_id,
+        *tokenizer(text, add_special_tokens=False)["input_ids"],
+        tokenizer.eos_token_id,
+    ]
+
+
+def test_malformed_line_skipped_and_counted(tmp_path, tokenizer):
     path = write_lines(tmp_path / "d.jsonl", ['{"text": "a"}', "{not json", '["a list"]', '{"text": "b"}'])
-    report = DataReport()
-    records = read_records(path, "skip", report)
-    assert [r["text"] for r in records] == ["a", "b"]
-    assert report.skipped_lines == 2
-    assert report.skipped_examples[0].startswith(f"{path}:2: not valid JSON")
-    assert report.skipped_examples[1] == f"{path}:3: expected a JSON object"
+    data = prepare(tmp_path, path, tokenizer)
+    assert [row.input_ids.tolist() for row in data.train] == [
+        encoded(tokenizer, "a"),
+        encoded(tokenizer, "b"),
+    ]
+    assert data.report.train_records == 2
+    assert data.report.skipped_lines == 2
+    assert data.report.skipped_examples[0].startswith(f"{path}:2: not valid JSON")
+    assert data.report.skipped_examples[1] == f"{path}:3: expected a JSON object"
 
 
-def test_malformed_line_fatal_names_file_and_line(tmp_path):
+def test_malformed_line_fatal_names_file_and_line(tmp_path, tokenizer):
     path = write_lines(tmp_path / "d.jsonl", ['{"text": "a"}', "{not json"])
-    with pytest.raises(DataError, match=rf"^{path}:2: not valid JSON"):
-        read_records(path, "fail", DataReport())
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:2: not valid JSON"):
+        prepare(tmp_path, path, tokenizer, on_bad_line="fail")
 
 
 @pytest.mark.slow
@@ -72,22 +88,37 @@ def test_cli_bad_data_exit_2_and_skip_count_logged(write_config, tmp_path):
     assert data_report["skipped_lines"] == 1 and data_report["skipped_examples"][0].startswith(f"{data}:61")
 
 
-def test_tsv_with_header(tmp_path):
+def test_tsv_with_header(tmp_path, tokenizer):
     path = tmp_path / "d.tsv"
     path.write_text("text\tsource\nhello there\tweb\nbroken\n")
-    report = DataReport()
-    assert read_records(path, "skip", report) == [{"text": "hello there", "source": "web"}]
-    assert report.skipped_lines == 1
+    data = prepare(tmp_path, path, tokenizer)
+    assert [row.input_ids.tolist() for row in data.train] == [encoded(tokenizer, "hello there")]
+    assert data.report.train_records == 1 and data.report.skipped_lines == 1
+    assert data.report.skipped_examples == [f"{path}:3: expected 2 tab-separated fields, got 1"]
 
 
-def test_split_is_deterministic_and_disjoint():
-    records = [{"text": str(i)} for i in range(100)]
-    train_a, val_a = split_records(records, 0.1, seed=7)
-    train_b, val_b = split_records(records, 0.1, seed=7)
-    _, val_c = split_records(records, 0.1, seed=8)
+def test_split_is_deterministic_and_disjoint(tmp_path, tokenizer):
+    assert val_ordinals(100, 0.1, seed=7).tolist() == val_ordinals(100, 0.1, seed=7).tolist()
+    assert len(val_ordinals(100, 0.1, seed=7)) == 10
+    assert val_ordinals(100, 0.1, seed=7).tolist() != val_ordinals(100, 0.1, seed=8).tolist()
+
+    texts = [f"record {i}" for i in range(100)]
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps({"text": t}) for t in texts])
+    which = {tuple(encoded(tokenizer, t)): i for i, t in enumerate(texts)}
+
+    def split(seed: int, cache: str) -> tuple[list[int], list[int]]:
+        data = prepare(tmp_path / cache, path, tokenizer, val_fraction=0.1, seed=seed)
+        assert not data.report.cache_hit  # each split built afresh, not read back
+        return [which[tuple(r.input_ids.tolist())] for r in data.train], [
+            which[tuple(r.input_ids.tolist())] for r in data.val
+        ]
+
+    train_a, val_a = split(7, "a")
+    train_b, val_b = split(7, "b")
+    _, val_c = split(8, "c")
     assert val_a == val_b and len(val_a) == 10 and val_a != val_c
-    assert {r["text"] for r in train_a} | {r["text"] for r in val_a} == {str(i) for i in range(100)}
-    assert not {r["text"] for r in train_a} & {r["text"] for r in val_a}
+    assert val_a == val_ordinals(100, 0.1, seed=7).tolist()  # in file order
+    assert train_a == train_b == sorted(set(range(100)) - set(val_a))
 
 
 def test_packing_restarts_positions_and_masks_boundaries():
@@ -97,12 +128,15 @@ def test_packing_restarts_positions_and_masks_boundaries():
         ([1, 30, 31, 32, 33, 34], [1, 30, 31, 32, 33, 34]),
     ]
     rows = pack(docs, max_length=8, pad_id=0)
-    assert [r.input_ids for r in rows] == [[1, 10, 11, 12, 1, 20, 21, 1], [30, 31, 32, 33, 34, 0, 0, 0]]
-    assert rows[0].position_ids == [0, 1, 2, 3, 0, 1, 2, 0]
+    assert [r.input_ids.tolist() for r in rows] == [
+        [1, 10, 11, 12, 1, 20, 21, 1],
+        [30, 31, 32, 33, 34, 0, 0, 0],
+    ]
+    assert rows[0].position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
     # The first token of every segment is never a target: nothing is predicted across a boundary.
-    assert rows[0].labels == [IGNORE, 10, 11, 12, IGNORE, 20, 21, IGNORE]
-    assert rows[1].labels == [IGNORE, 31, 32, 33, 34, IGNORE, IGNORE, IGNORE]
-    assert rows[1].position_ids == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert rows[0].labels.tolist() == [IGNORE, 10, 11, 12, IGNORE, 20, 21, IGNORE]
+    assert rows[1].labels.tolist() == [IGNORE, 31, 32, 33, 34, IGNORE, IGNORE, IGNORE]
+    assert rows[1].position_ids.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
 
 
 def test_packed_documents_do_not_see_each_other():
@@ -125,35 +159,52 @@ def test_packed_documents_do_not_see_each_other():
     assert not torch.allclose(la[0, :4], lb[0, :4], atol=1e-3)
 
 
-def test_long_documents_split_not_truncated(tokenizer):
+def test_long_documents_split_not_truncated(tmp_path, tokenizer):
     text = " ".join(["Ada lives in Marlow and works as a baker."] * 40)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    docs = [(ids, ids)]
-    split_report, trunc_report = DataReport(), DataReport()
-    split_rows = build_sequences(docs, DataConfig(max_length=32), 0, split_report, packing=False)
-    trunc_rows = build_sequences(
-        docs, DataConfig(max_length=32, long_documents="truncate"), 0, trunc_report, packing=False
-    )
-    assert sum(len(r.input_ids) for r in split_rows) == len(ids)
-    assert len(trunc_rows) == 1
-    assert split_report.truncation_would_lose_tokens == len(ids) - 32 == trunc_report.truncated_tokens
-    assert split_report.truncated_tokens == 0
+    ids = encoded(tokenizer, text)
+    path = write_lines(tmp_path / "d.jsonl", [json.dumps({"text": text})])
+    split = prepare(tmp_path / "split", path, tokenizer, max_length=32)
+    trunc = prepare(tmp_path / "trunc", path, tokenizer, max_length=32, long_documents="truncate")
+    assert np.concatenate([r.input_ids for r in split.train]).tolist() == ids
+    assert [r.position_ids.tolist() for r in split.train][:2] == [list(range(32))] * 2
+    assert len(trunc.train) == 1 and trunc.train[0].input_ids.tolist() == ids[:32]
+    assert split.report.truncation_would_lose_tokens == len(ids) - 32 == trunc.report.truncated_tokens
+    assert split.report.truncated_tokens == 0
 
 
-def test_instruction_records_learn_only_the_response(tokenizer):
-    paths = PathsConfig(train_file=str(REPO / "data" / "tiny_instructions.jsonl"))
-    data = prepare_data(paths, DataConfig(packing=False, val_fraction=0.0), tokenizer, family_packing=True)
+def test_instruction_records_learn_only_the_response(tmp_path, tokenizer):
+    data = prepare(tmp_path, REPO / "data" / "tiny_instructions.jsonl", tokenizer)
     assert data.report.format == "instruction"
     row = data.train[0]
-    targets = [t for t in row.labels if t != IGNORE]
-    decoded = tokenizer.decode(targets)
+    decoded = tokenizer.decode(row.labels[row.labels != IGNORE].tolist())
     assert "Answer:" not in decoded and "Question" not in decoded and decoded.endswith("</s>")
-    assert row.labels[:3] == [IGNORE] * 3
+    assert row.labels[:3].tolist() == [IGNORE] * 3
 
 
-def test_tokenizing_in_threads_gives_the_same_rows(tokenizer):
-    paths = PathsConfig(train_file=str(REPO / "data" / "tiny_corpus.jsonl"))
-    one = prepare_data(paths, DataConfig(max_length=64), tokenizer, family_packing=True, workers=0)
-    four = prepare_data(paths, DataConfig(max_length=64), tokenizer, family_packing=True, workers=4)
-    assert [r.input_ids for r in one.train] == [r.input_ids for r in four.train]
-    assert [r.labels for r in one.val] == [r.labels for r in four.val]
+def test_one_and_two_data_workers_give_the_same_rows(tmp_path, tokenizer, monkeypatch):
+    """Byte ranges spread over worker processes: the same rows, split and line numbers as one process."""
+    lines = (REPO / "data" / "tiny_corpus.jsonl").read_text().splitlines()
+    lines.insert(1500, "{not json")
+    path = write_lines(tmp_path / "corpus.jsonl", lines)
+    monkeypatch.setattr(sources, "RANGE_BYTES", 64 << 10)
+    assert len(sources.line_ranges([path])) > 10
+    one = prepare(
+        tmp_path / "one", path, tokenizer, workers=1, packing=True, val_fraction=0.05, max_length=64
+    )
+    two = prepare(
+        tmp_path / "two", path, tokenizer, workers=2, packing=True, val_fraction=0.05, max_length=64
+    )
+    assert one.report.fingerprint == two.report.fingerprint  # the workers do not change the rows
+    for split in ("train", "val"):
+        a, b = getattr(one, split), getattr(two, split)
+        assert len(a) == len(b) > 0
+        for field in ("input_ids", "labels", "position_ids"):
+            assert np.array_equal(
+                np.concatenate([getattr(r, field) for r in a]), np.concatenate([getattr(r, field) for r in b])
+            )
+    assert dataclasses.replace(one.report, cache="", prepare_seconds=0) == dataclasses.replace(
+        two.report, cache="", prepare_seconds=0
+    )
+    assert one.report.skipped_examples == [
+        f"{path}:1501: not valid JSON (Expecting property name enclosed in double quotes)"
+    ]

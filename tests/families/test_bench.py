@@ -106,8 +106,11 @@ def test_peft_bench_rows_hold_whole_records_and_answers_hold_whole_label_words(t
     """The GPU run read sst2 accuracy 0.000 for every method: rows of 64 tokens split each record (the label
     word's window lost the sentence) and 3 new tokens cut ' positive' (6 tokens) short. Both come from the
     tokenizer now: the kit's data pipeline splits no record, and every label word fits."""
+    import dataclasses
+
     from trainer.config import load_config
-    from trainer.data.dataset import DataReport, build_sequences, tokenize_record
+    from trainer.data.dataset import prepare_data
+    from trainer.data.records import Encoder
     from trainer.model.loading import load_tokenizer
     from trainer.tasks.glue import GlueTask
     from trainer.training.task_eval import answer_room
@@ -121,11 +124,11 @@ def test_peft_bench_rows_hold_whole_records_and_answers_hold_whole_label_words(t
     assert cfg.data.max_length == sizes["max_length"] and cfg.eval.max_new_tokens == sizes["max_new_tokens"]
     tokenizer = load_tokenizer(cfg)
     records = [json.loads(line) for line in train.read_text().splitlines()]
-    tokenized = [tokenize_record(r, tokenizer, cfg.data, "instruction", "x") for r in records]
-    assert 64 < max(len(ids) for ids, _ in tokenized) <= cfg.data.max_length  # 64 split almost every record
-    report = DataReport()
-    rows = build_sequences(tokenized, cfg.data, 0, report, packing=False)
-    assert len(rows) == len(records) and report.truncation_would_lose_tokens == 0
+    encoded = Encoder(tokenizer, cfg.data, "instruction").encode(records)
+    assert 64 < max(len(e.ids) for e in encoded) <= cfg.data.max_length  # 64 split almost every record
+    data = dataclasses.replace(cfg.data, packing=False, val_fraction=0.0)
+    prepared = prepare_data(cfg.paths, data, tokenizer, family_packing=True)
+    assert len(prepared.train) == len(records) and prepared.report.truncation_would_lose_tokens == 0
     assert answer_room(GlueTask("sst2", glue), tokenizer, cfg.eval.max_new_tokens) is None
     assert answer_room(GlueTask("sst2", glue), tokenizer, 3) is not None  # what the GPU run had
 

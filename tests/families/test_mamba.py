@@ -79,8 +79,9 @@ def test_mamba_rows_hold_one_document_and_padding_does_not_leak(mamba_model):
     data = prepare_data(cfg.paths, cfg.data, tokenizer, family.packing)
     assert data.report.packing is False
     bos = tokenizer.bos_token_id
-    for row in data.train[:50]:  # one document or one chunk of one: never a second start
-        assert row.position_ids == list(range(len(row.input_ids)))
+    for i in range(min(50, len(data.train))):  # one document or one chunk of one: never a second start
+        row = data.train[i]
+        assert row.position_ids.tolist() == list(range(len(row.input_ids)))
         assert bos not in row.input_ids[1:]
 
     gen = torch.Generator().manual_seed(0)
