@@ -443,3 +443,19 @@ def test_a_killed_build_is_cleaned_and_never_read(tmp_path, tokenizer):
     assert not again.report.cache_hit and again.report.fingerprint == fingerprint
     assert (rows(again.train), rows(again.val)) == first_rows and facts(again.report) == facts(first.report)
     assert not left.exists() and not list(root.glob(".tmp-*"))
+
+
+def test_cache_clear_removes_builds_left_by_killed_processes_but_not_one_under_way(tmp_path):
+    """A build's temporary folder is removed by ``cache clear`` only when no process holds its lock."""
+    from filelock import FileLock
+
+    root = tmp_path / "cache"
+    root.mkdir()
+    abandoned = root / ".tmp-aaaaaaaaaaaaaaaaaaaaaaaa-host-1"
+    running = root / ".tmp-bbbbbbbbbbbbbbbbbbbbbbbb-host-2"
+    for folder in (abandoned, running):
+        folder.mkdir()
+        (folder / "train.ids.bin").write_bytes(b"\0" * 4096)
+    with FileLock(str(root / "bbbbbbbbbbbbbbbbbbbbbbbb.lock")):
+        assert main(["cache", "clear", "--all", "--cache-dir", str(root)]) == 0
+        assert not abandoned.exists() and running.exists()

@@ -214,7 +214,7 @@ def test_cli_writes_both_files_into_the_output_folder(tmp_path):
     result = run_trainer("preprocess", "--analyze-only", "--config", str(path))
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((out / REPORT_JSON).read_text())
-    assert report["records_analyzed"] == 2000 and report["sampled"] is False and report["max_length"] == 64
+    assert report["records_analyzed"] == 2400 and report["sampled"] is False and report["max_length"] == 64
     assert report["tokenizer"].endswith("tiny-moe")
     assert "| strategy | chunks |" in (out / REPORT_MD).read_text()
     assert "lengths (tokens): median" in result.stdout and str(out / REPORT_JSON) in result.stdout

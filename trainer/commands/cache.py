@@ -72,5 +72,6 @@ def run(args) -> int:
         if wanted:
             freed += cache.remove(root, entry["fingerprint"])
             removed += 1
-    print(f"removed {removed} cache(s), {_size(freed)} freed from {root}")
+    abandoned = cache.remove_abandoned(root) if root.is_dir() else 0
+    print(f"removed {removed} cache(s), {_size(freed + abandoned)} freed from {root}")
     return 0

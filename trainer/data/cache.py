@@ -95,6 +95,23 @@ def remove_stale_temporaries(root: Path, key: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def remove_abandoned(root: Path) -> int:
+    """Builds a killed process left (``.tmp-``) and deletions cut short (``.trash-``), skipping any build whose
+    lock is held (it is still running); the bytes freed."""
+    from filelock import FileLock, Timeout
+
+    freed = 0
+    for folder in [*root.glob(".tmp-*"), *root.glob(".trash-*")]:
+        key = folder.name.split("-")[1]
+        try:
+            with FileLock(str(root / f"{key}.lock"), timeout=0):
+                freed += folder_size(folder)
+                shutil.rmtree(folder, ignore_errors=True)
+        except Timeout:
+            continue
+    return freed
+
+
 def is_complete(folder: Path) -> bool:
     try:
         return json.loads((folder / META).read_text()).get("kind") == KIND

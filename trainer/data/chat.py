@@ -144,50 +144,13 @@ def encode_chat(messages: list, tokenizer, cfg, template: str | None = None) -> 
     no template can render the empty prompt before it). ``template`` defaults to
     ``resolve_template(tokenizer, cfg)``; pass it in to resolve it once. Raises ChatSkip for a record
     that cannot train, ChatTemplateError for a template that cannot be used, ValueError for a slow
-    tokenizer (no character offsets).
+    tokenizer (no character offsets). Many conversations are encoded faster by one ChatEncoder.
     """
-    if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(
-            f"chat data needs a fast tokenizer (character offsets for the assistant mask); "
-            f"{type(tokenizer).__name__} is not one (load it with use_fast=True, or convert it with tokenizers)"
-        )
-    if template is None:
-        template = resolve_template(tokenizer, cfg)
-    messages = normalise_messages(messages)
-    inserted = cfg.system_prompt is not None and not any(m["role"] == "system" for m in messages)
-    if inserted:
-        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
-    learned = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k > 0]
-    if not learned:
-        opens = messages and messages[0]["role"] == "assistant"
-        raise ChatSkip("no assistant turn after the first turn" if opens else "no assistant turn")
-
-    text = _render(tokenizer, messages, template)
-    spans = []
-    for k in learned:
-        start = len(_prefix(tokenizer, messages[:k], template, text, k, generation=True))
-        end = len(_prefix(tokenizer, messages[: k + 1], template, text, k, generation=False))
-        while end > start and text[end - 1].isspace():
-            end -= 1
-        if end <= start:  # e.g. empty content under a template without an end-of-turn marker
-            raise ChatSkip(
-                f"turn {k + 1 - inserted}: the template renders nothing to learn for this assistant turn"
-            )
-        spans.append((start, end))
-
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(encoding["input_ids"])
-    labels = [IGNORE] * len(ids)
-    span = 0
-    for i, (token_start, token_end) in enumerate(encoding["offset_mapping"]):
-        while span < len(spans) and token_start >= spans[span][1]:
-            span += 1
-        if span == len(spans):
-            break
-        # A token belongs to the turn its first character is in; empty offsets belong to no turn.
-        if token_end > token_start and token_start >= spans[span][0]:
-            labels[i] = ids[i]
-    return ids, labels
+    (result,) = ChatEncoder(tokenizer, cfg, template).encode([normalise_messages(messages)])
+    if isinstance(result, ChatSkip):
+        raise result
+    ids, target = result
+    return ids, [token if learned else IGNORE for token, learned in zip(ids, target)]
 
 
 def encode_chat_record(
@@ -200,29 +163,184 @@ def encode_chat_record(
     return encode_chat(messages, tokenizer, cfg, template)
 
 
-def _render(tokenizer, messages: list[dict], template: str, generation: bool = False) -> str:
+class ChatEncoder:
+    """``encode_chat`` for a batch of conversations, with the template compiled once.
+
+    What ``apply_chat_template`` spends on each call (copying and checking the messages, a fresh
+    Jinja context for its arguments) outweighs rendering a short conversation, and a conversation
+    takes one rendering per prefix. So the template is compiled once by transformers' own compiler
+    (the same sandbox, ``raise_exception``, ``tojson``, ``strftime_now`` and ``{% generation %}``)
+    and rendered with the variables ``apply_chat_template`` passes, and a batch's texts are tokenized
+    by one call of the Rust tokenizer. Where that would not give what the tokenizer's own methods
+    give (a tokenizer class with its own ``apply_chat_template`` or encoding, truncation or padding
+    set on the Rust tokenizer), those methods are called instead. Picklable: a worker process
+    compiles the template again.
+    """
+
+    def __init__(self, tokenizer, cfg, template: str | None = None):
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(
+                f"chat data needs a fast tokenizer (character offsets for the assistant mask); "
+                f"{type(tokenizer).__name__} is not one (load it with use_fast=True, or convert it with tokenizers)"
+            )
+        self.tokenizer, self.system_prompt = tokenizer, cfg.system_prompt
+        self.template = resolve_template(tokenizer, cfg) if template is None else template
+        self._compile()
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_compiled", "_variables")}
+
+    def __setstate__(self, state: dict):
+        self.__dict__.update(state)
+        self._compile()
+
+    def encode(self, conversations: list[list[dict]]) -> list[tuple[list[int], list[bool]] | ChatSkip]:
+        """Per conversation (turns as ``normalise_messages`` gives them), its token ids and which of them
+        are learned, or the ChatSkip saying why it cannot train. Raises ChatTemplateError for a template
+        that cannot be used."""
+        results, texts, spans = [], [], []
+        for messages in conversations:
+            try:
+                text, turn_spans = self._locate(messages)
+            except ChatSkip as exc:
+                results.append(exc)
+                continue
+            results.append(None)
+            texts.append(text)
+            spans.append(turn_spans)
+        marked = iter([_mark(ids, offsets, s) for (ids, offsets), s in zip(self._tokenize(texts), spans)])
+        return [next(marked) if result is None else result for result in results]
+
+    def _locate(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character span of each learned assistant turn in it."""
+        inserted = self.system_prompt is not None and not any(m["role"] == "system" for m in messages)
+        if inserted:
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        learned = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k > 0]
+        if not learned:
+            opens = messages and messages[0]["role"] == "assistant"
+            raise ChatSkip("no assistant turn after the first turn" if opens else "no assistant turn")
+
+        text = self._render(messages)
+        spans = []
+        for k in learned:
+            start = self._prefix(messages[:k], text, k, generation=True)
+            # Rendering the whole conversation again would give the text itself.
+            last = k + 1 == len(messages)
+            end = len(text) if last else self._prefix(messages[: k + 1], text, k, generation=False)
+            while end > start and text[end - 1].isspace():
+                end -= 1
+            if end <= start:  # e.g. empty content under a template without an end-of-turn marker
+                raise ChatSkip(
+                    f"turn {k + 1 - inserted}: the template renders nothing to learn for this assistant turn"
+                )
+            spans.append((start, end))
+        return text, spans
+
+    def _compile(self):
+        """The compiled template and its variables, where rendering it gives what apply_chat_template gives."""
+        self._compiled = None
+        try:
+            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+        except ImportError:  # a private helper, which another transformers may lack
+            return
+        if (
+            getattr(type(self.tokenizer), "apply_chat_template", None)
+            is not PreTrainedTokenizerBase.apply_chat_template
+        ):
+            return
+        try:
+            self._compiled = _compile_jinja_template(self.template)
+        except TemplateSyntaxError as exc:
+            raise _syntax_error(exc) from exc
+        # What the template sees besides the messages: its globals and what apply_chat_template passes (no
+        # tools, documents or extra kwargs here), merged once rather than by each Template.render.
+        self._variables = {
+            **self._compiled.globals,
+            "tools": None,
+            "documents": None,
+            **self.tokenizer.special_tokens_map,
+        }
+
+    def _render(self, messages: list[dict], generation: bool = False) -> str:
+        try:
+            if self._compiled is None:
+                return self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, chat_template=self.template, add_generation_prompt=generation
+                )
+            variables = {**self._variables, "messages": messages, "add_generation_prompt": generation}
+            context = self._compiled.new_context(variables, shared=True)  # shared: the globals are in it
+            try:
+                return "".join(self._compiled.root_render_func(context))  # Template.render's own steps
+            except Exception:
+                self._compiled.environment.handle_exception()  # as Template.render: the template's line
+        except TemplateSyntaxError as exc:
+            raise _syntax_error(exc) from exc
+        except TemplateError as exc:  # the template's raise_exception(), e.g. "roles must alternate"
+            raise ChatSkip(f"the chat template refused the conversation: {exc}") from exc
+
+    def _prefix(self, messages: list[dict], text: str, k: int, generation: bool) -> int:
+        """The length of the rendered prefix, which must be the start of the whole conversation's text."""
+        rendered = self._render(messages, generation)
+        if not text.startswith(rendered):
+            what = f"turns 1-{k} with the generation prompt" if generation else f"turns 1-{k + 1}"
+            raise ChatTemplateError(
+                f"the chat template is not prefix-stable: its rendering of {what} is not the start of its rendering "
+                "of the whole conversation, so the assistant turns cannot be located for the loss mask "
+                "(set data.chat_template to a template that renders each turn the same whatever follows it)"
+            )
+        return len(rendered)
+
+    def _tokenize(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Token ids and character offsets of each text, without special tokens added."""
+        if not texts:
+            return []
+        backend = _direct_backend(self.tokenizer)
+        if backend is not None:
+            return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
+        out = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return list(zip(out["input_ids"], out["offset_mapping"]))
+
+
+def _direct_backend(tokenizer):
+    """The Rust tokenizer, where encoding with it gives what the tokenizer's own call gives; else None.
+
+    Read at each batch: a call with truncation or padding leaves them set on the Rust tokenizer.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return None
+    if backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
     try:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, chat_template=template, add_generation_prompt=generation
-        )
-    except TemplateSyntaxError as exc:
-        raise ChatTemplateError(
-            f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})"
-        ) from exc
-    except TemplateError as exc:  # the template's raise_exception(), e.g. "roles must alternate"
-        raise ChatSkip(f"the chat template refused the conversation: {exc}") from exc
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    # A class with its own encoding (e.g. CodeLlama's infilling on <FILL_ME>) must be called.
+    return (
+        backend if getattr(type(tokenizer), "_encode_plus", None) is TokenizersBackend._encode_plus else None
+    )
 
 
-def _prefix(tokenizer, messages: list[dict], template: str, text: str, k: int, generation: bool) -> str:
-    rendered = _render(tokenizer, messages, template, generation)
-    if not text.startswith(rendered):
-        what = f"turns 1-{k} with the generation prompt" if generation else f"turns 1-{k + 1}"
-        raise ChatTemplateError(
-            f"the chat template is not prefix-stable: its rendering of {what} is not the start of its rendering "
-            "of the whole conversation, so the assistant turns cannot be located for the loss mask "
-            "(set data.chat_template to a template that renders each turn the same whatever follows it)"
-        )
-    return rendered
+def _mark(ids: list[int], offsets, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    """The ids and, per token, whether it is learned: whether its first character is in a span."""
+    target = [False] * len(ids)
+    span, (start, end) = 0, spans[0]
+    for i, (token_start, token_end) in enumerate(offsets):
+        while token_start >= end:
+            span += 1
+            if span == len(spans):
+                return ids, target
+            start, end = spans[span]
+        # A token belongs to the turn its first character is in; empty offsets belong to no turn.
+        if token_end > token_start and token_start >= start:
+            target[i] = True
+    return ids, target
+
+
+def _syntax_error(exc: TemplateSyntaxError) -> ChatTemplateError:
+    return ChatTemplateError(f"the chat template is not valid Jinja (line {exc.lineno}: {exc.message})")
 
 
 def _kind(value) -> str:

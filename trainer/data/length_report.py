@@ -182,12 +182,12 @@ def _strategy(
 
 def analyze(cfg: Config, tokenizer) -> dict:
     """The length report of ``cfg``'s training data, from its data cache (built first if needed)."""
-    from trainer.data.prepare import prepare_data
+    from trainer.data.prepare import prepare_data, workers_of
     from trainer.families import family_for
     from trainer.families.extras import model_type
 
     packing = family_for(model_type(cfg) or "", cfg.model.family).packing
-    prepared = prepare_data(cfg.paths, cfg.data, tokenizer, packing, cfg.performance.data_workers)
+    prepared = prepare_data(cfg.paths, cfg.data, tokenizer, packing, workers_of(cfg.performance))
     return prepared.length_report
 
 

@@ -63,12 +63,12 @@ class Encoder:
         self.tokenizer, self.cfg, self.fmt = tokenizer, cfg, fmt
         self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.eos = [tokenizer.eos_token_id] if cfg.add_eos and tokenizer.eos_token_id is not None else []
-        self.template = None
+        self.chat = None
         if fmt == "chat":
-            from trainer.data.chat import ChatTemplateError, resolve_template
+            from trainer.data.chat import ChatEncoder, ChatTemplateError
 
             try:
-                self.template = resolve_template(tokenizer, cfg)
+                self.chat = ChatEncoder(tokenizer, cfg)
             except ChatTemplateError as exc:
                 raise DataError(f"data.chat_template: {exc}") from exc
 
@@ -87,7 +87,7 @@ class Encoder:
             return self._text(records)
         if self.fmt == "instruction":
             return self._instruction(records)
-        return [self._chat(record) for record in records]
+        return self._chat(records)
 
     def _text(self, records: list[dict]) -> list[Encoded]:
         field = self.cfg.text_field
@@ -110,16 +110,30 @@ class Encoder:
             out[i] = Encoded(prompt_ids + response_ids, masked=len(prompt_ids))
         return out
 
-    def _chat(self, record: dict) -> Encoded:
-        from trainer.data.chat import ChatSkip, ChatTemplateError, encode_chat, find_messages
+    def _chat(self, records: list[dict]) -> list[Encoded]:
+        """The batch's conversations rendered one by one and tokenized together (``ChatEncoder``)."""
+        from trainer.data.chat import ChatSkip, ChatTemplateError, find_messages
 
-        try:
-            messages = find_messages(record, self.cfg)
+        out, conversations, where = [None] * len(records), [], []
+        for i, record in enumerate(records):
+            try:
+                messages = find_messages(record, self.cfg)
+            except ChatSkip as exc:
+                out[i] = Encoded(None, why=str(exc))
+                continue
             if messages is None:
-                return Encoded(None, why=f"field '{self.cfg.messages_field}' missing")
-            ids, labels = encode_chat(messages, self.tokenizer, self.cfg, self.template)
-        except ChatSkip as exc:
-            return Encoded(None, why=str(exc))
+                out[i] = Encoded(None, why=f"field '{self.cfg.messages_field}' missing")
+                continue
+            conversations.append(messages)
+            where.append(i)
+        try:
+            results = self.chat.encode(conversations)
         except ChatTemplateError as exc:  # the template, not the record: every record would fail
             raise DataError(f"data.chat_template: {exc}") from exc
-        return Encoded(ids, target=[label != -100 for label in labels])
+        for i, result in zip(where, results):
+            if isinstance(result, ChatSkip):
+                out[i] = Encoded(None, why=str(result))
+            else:
+                ids, target = result
+                out[i] = Encoded(ids, target=target)
+        return out
