@@ -19,7 +19,6 @@ from trainer.config import Config, DataConfig, ModelConfig, PathsConfig
 from trainer.data.length_report import (
     REPORT_JSON,
     REPORT_MD,
-    analyze,
     encode_texts,
     format_markdown,
     histogram,
@@ -30,6 +29,7 @@ from trainer.data.length_report import (
     summary_line,
     write_data_report,
 )
+from trainer.data.prepare import analyze
 
 
 class WordTokenizer:

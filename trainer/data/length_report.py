@@ -1,6 +1,6 @@
 """Token lengths of the training file, and what each way of fitting them into ``max_length`` costs.
 
-``analyze(cfg, tokenizer)`` reads the token count of every record from the data cache (the counts
+``trainer.data.prepare.analyze(cfg, tokenizer)`` reads the token count of every record from the data cache (the counts
 data preparation measured: BOS, text, EOS) and answers, for ``data.max_length``:
 
 - the length distribution (min, median, p90, p95, p99, max; nearest-rank percentiles, so every
@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 from trainer import runfolder
-from trainer.config import Config
 
 REPORT_JSON = "data_report.json"
 REPORT_MD = "data_report.md"
@@ -178,17 +177,6 @@ def _strategy(
         "unsplittable_segments": unsplittable,
         "unsplittable_tokens": unsplittable_tokens,
     }
-
-
-def analyze(cfg: Config, tokenizer) -> dict:
-    """The length report of ``cfg``'s training data, from its data cache (built first if needed)."""
-    from trainer.data.prepare import prepare_data, workers_of
-    from trainer.families import family_for
-    from trainer.families.extras import model_type
-
-    packing = family_for(model_type(cfg) or "", cfg.model.family).packing
-    prepared = prepare_data(cfg.paths, cfg.data, tokenizer, packing, workers_of(cfg.performance))
-    return prepared.length_report
 
 
 def report_from_lengths(stats, fmt: str, tokenizer, cfg_data, source: str, skipped: int) -> dict:

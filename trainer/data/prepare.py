@@ -138,6 +138,16 @@ def prepare_data(paths, cfg, tokenizer, family_packing: bool, workers: int = 0, 
     return prepared
 
 
+def analyze(cfg, tokenizer) -> dict:
+    """The length report of ``cfg``'s training data (trainer/data/length_report.py), from its data cache
+    (built first if needed)."""
+    from trainer.families import family_for
+    from trainer.families.extras import model_type
+
+    packing = family_for(model_type(cfg) or "", cfg.model.family).packing
+    return prepare_data(cfg.paths, cfg.data, tokenizer, packing, workers_of(cfg.performance)).length_report
+
+
 def open_cache(folder: Path) -> PreparedData:
     meta = json.loads((folder / cache.META).read_text())
     report = DataReport(**{k: v for k, v in meta["report"].items() if k in DataReport.__dataclass_fields__})
