@@ -337,7 +337,9 @@ def encode_source(source: Source, encoder: Encoder, workers: int, work_dir: Path
             new_fingerprint=f"encoded-{os.getpid()}",
             desc="tokenizing",
         )
-    records = load_structured(source, cache_dir=str(work_dir / "hf"))
+    # Local files convert into a scratch folder removed after the build; a Hub dataset stays in datasets' own
+    # cache, where it was downloaded (and where offline use finds it).
+    records = load_structured(source, cache_dir=str(work_dir / "hf") if source.files else None)
     first_line = 2 if source.files and source.files[0].suffix.lower() == ".csv" else 1
     sample_every = max(1, len(records) // SAMPLE_RECORDS)
     return records.map(
