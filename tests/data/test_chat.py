@@ -8,10 +8,12 @@ rest of the conversation.
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 
 import pytest
+from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
 from tests.helpers import REPO
@@ -19,14 +21,17 @@ from trainer.config import DataConfig
 from trainer.data.chat import (
     DEFAULT_CHAT_TEMPLATE,
     IGNORE,
+    ChatEncoder,
     ChatSkip,
     ChatTemplateError,
     encode_chat,
     encode_chat_record,
     find_messages,
     is_chat_record,
+    normalise_messages,
     resolve_template,
 )
+from trainer.data.records import Encoder
 
 END = "<|im_end|>"
 TWO_ANSWERS = [
@@ -287,6 +292,159 @@ def test_the_shipped_sample_trains_but_for_its_two_records_without_an_answer(tok
     assert skipped == [(58, "no assistant turn"), (144, "no assistant turn")]
     assert sum("conversations" in r for r in records) >= 10
     assert learned_turns > len(records)  # multi-turn records are in it
+
+
+# Templates unlike ChatML, for checking the compiled template against apply_chat_template.
+# A default system prompt, and raise_exception() for roles that do not alternate (Llama-2 / Mistral).
+SYSTEM_DEFAULT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- set system = messages[0]['content'] %}{%- set turns = messages[1:] %}"
+    "{%- else %}{%- set system = 'You are a helpful assistant.' %}{%- set turns = messages %}{%- endif %}"
+    "{{- '[SYS] ' + system + ' [/SYS]\\n' }}"
+    "{%- for message in turns %}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif %}"
+    "{%- if message['role'] == 'user' %}{{- '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{%- else %}{{- ' ' + message['content'] + eos_token + '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+)
+# Llama-3: BOS (a special token) from the template's variables, assistant turns in {% generation %}.
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}"
+    "{%- else %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+# Zephyr: the generation prompt inside the loop on its last turn; contents through transformers' tojson.
+LOOP_LAST_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|' + message['role'] + '|>\\n' + message['content'] | tojson + eos_token + '\\n' }}"
+    "{%- if loop.last and add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+)
+# Beside the shipped sample: an opening assistant turn, roles out of turn, markup and non-ASCII, an
+# empty answer.
+EXTRA_RECORDS = [
+    {
+        "messages": [
+            {"role": "assistant", "content": "Hello, ask me."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "How can I help?"},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "user", "content": "Anyone?"},
+            {"role": "assistant", "content": "Yes."},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "system", "content": 'Use <b>tags</b> & "quotes".'},
+            {"role": "user", "content": "Is 1 < 2? Où est le café 😀"},
+            {"role": "assistant", "content": "  Yes – 1 < 2 & naïve ünïcode.  "},
+            {"role": "user", "content": "Say nothing."},
+            {"role": "assistant", "content": ""},
+        ]
+    },
+]
+
+
+def reference_encode(messages, tokenizer, cfg, template) -> tuple[list[int], list[int]]:
+    """The plain way: apply_chat_template for the conversation and each prefix, one tokenizer call."""
+
+    def render(turns, generation=False):
+        try:
+            return tokenizer.apply_chat_template(
+                turns, tokenize=False, chat_template=template, add_generation_prompt=generation
+            )
+        except TemplateError as exc:
+            raise ChatSkip(f"the chat template refused the conversation: {exc}") from exc
+
+    messages = normalise_messages(messages)
+    if cfg.system_prompt is not None and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    learned = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k > 0]
+    if not learned:
+        raise ChatSkip("no assistant turn")
+    text, spans = render(messages), []
+    for k in learned:
+        start, end = len(render(messages[:k], generation=True)), len(render(messages[: k + 1]))
+        assert text.startswith(render(messages[: k + 1]))
+        spans.append((start, len(text[:end].rstrip())))
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    labels = [
+        token if end > start and any(a <= start < b for a, b in spans) else IGNORE
+        for token, (start, end) in zip(encoding["input_ids"], encoding["offset_mapping"])
+    ]
+    return encoding["input_ids"], labels
+
+
+@pytest.mark.parametrize(
+    ("template", "system_prompt"),
+    [
+        (DEFAULT_CHAT_TEMPLATE, None),
+        (DEFAULT_CHAT_TEMPLATE, "Answer in one word."),
+        (SYSTEM_DEFAULT_TEMPLATE, None),
+        (LLAMA3_TEMPLATE, None),
+        (LOOP_LAST_TEMPLATE, "Be brief."),
+    ],
+    ids=[
+        "chatml",
+        "chatml-system-prompt",
+        "system-default-raise",
+        "llama3-bos-generation",
+        "loop-last-tojson",
+    ],
+)
+def test_batches_encode_as_apply_chat_template_renders_each_record(tokenizer, template, system_prompt):
+    cfg = DataConfig(chat_template=template, system_prompt=system_prompt)
+    records = [json.loads(line) for line in (REPO / "data" / "tiny_chat.jsonl").read_text().splitlines()]
+    records += EXTRA_RECORDS
+    # As datasets' worker processes get it: pickled, the compiled template rebuilt on arrival.
+    encoder = pickle.loads(pickle.dumps(Encoder(tokenizer, cfg, "chat")))
+    assert encoder.chat.compiled is not None  # the fast path, not apply_chat_template
+
+    skipped = []
+    for record, got in zip(records, encoder.encode(records), strict=True):
+        messages = find_messages(record, cfg)
+        try:
+            ids, labels = reference_encode(messages, tokenizer, cfg, template)
+        except ChatSkip as exc:
+            assert (got.ids, got.why) == (None, str(exc))
+            skipped.append(got.why)
+            continue
+        assert got.ids == ids
+        assert got.target == [label != IGNORE for label in labels]
+        assert encode_chat(messages, tokenizer, cfg, template) == (ids, labels)
+    assert skipped.count("no assistant turn") == 2
+    # raise_exception(): the opening assistant turn and the roles out of turn
+    refused = [why for why in skipped if why.startswith("the chat template refused the conversation")]
+    assert len(refused) == (2 if template == SYSTEM_DEFAULT_TEMPLATE else 0)
+
+
+def test_a_tokenizer_of_no_transformers_class_renders_through_its_own_apply_chat_template(tokenizer):
+    class Wrapped:  # fast, but nothing of it is known beyond its methods: no backend_tokenizer
+        is_fast, chat_template = True, None
+
+        def apply_chat_template(self, *args, **kwargs):
+            return tokenizer.apply_chat_template(*args, **kwargs)
+
+        def __call__(self, *args, **kwargs):
+            return tokenizer(*args, **kwargs)
+
+    cfg = DataConfig(chat_template=LLAMA3_TEMPLATE)
+    assert ChatEncoder(Wrapped(), cfg).compiled is None
+    assert encode_chat(TWO_ANSWERS, Wrapped(), cfg) == encode_chat(TWO_ANSWERS, tokenizer, cfg)
+    assert encode_chat(TWO_ANSWERS, tokenizer, cfg) == reference_encode(
+        TWO_ANSWERS, tokenizer, cfg, LLAMA3_TEMPLATE
+    )
 
 
 def test_chat_module_does_not_import_torch():

@@ -16,6 +16,9 @@ newline between turns is not learned). A template that is not prefix-stable is r
 Nothing is added beyond what the template renders: no BOS, no EOS (``data.add_eos`` does not apply to
 chat); a template that wants them writes ``{{ bos_token }}`` / ``{{ eos_token }}`` itself.
 
+A batch of records goes through one ``ChatEncoder`` (the template compiled once, the batch's texts
+tokenized together); ``encode_chat`` is the same for one conversation.
+
 Torch-free: transformers' fast tokenizers and their Jinja renderer only.
 """
 
@@ -173,8 +176,8 @@ class ChatEncoder:
     and rendered with the variables ``apply_chat_template`` passes, and a batch's texts are tokenized
     by one call of the Rust tokenizer. Where that would not give what the tokenizer's own methods
     give (a tokenizer class with its own ``apply_chat_template`` or encoding, truncation or padding
-    set on the Rust tokenizer), those methods are called instead. Picklable: a worker process
-    compiles the template again.
+    set on the Rust tokenizer), those methods are called instead: ``compiled`` is None where
+    ``apply_chat_template`` renders. Picklable: a worker process compiles the template again.
     """
 
     def __init__(self, tokenizer, cfg, template: str | None = None):
@@ -188,7 +191,7 @@ class ChatEncoder:
         self._compile()
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_compiled", "_variables")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("compiled", "_variables")}
 
     def __setstate__(self, state: dict):
         self.__dict__.update(state)
@@ -239,7 +242,7 @@ class ChatEncoder:
 
     def _compile(self):
         """The compiled template and its variables, where rendering it gives what apply_chat_template gives."""
-        self._compiled = None
+        self.compiled = None
         try:
             from transformers.tokenization_utils_base import PreTrainedTokenizerBase
             from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -251,13 +254,13 @@ class ChatEncoder:
         ):
             return
         try:
-            self._compiled = _compile_jinja_template(self.template)
+            self.compiled = _compile_jinja_template(self.template)
         except TemplateSyntaxError as exc:
             raise _syntax_error(exc) from exc
         # What the template sees besides the messages: its globals and what apply_chat_template passes (no
         # tools, documents or extra kwargs here), merged once rather than by each Template.render.
         self._variables = {
-            **self._compiled.globals,
+            **self.compiled.globals,
             "tools": None,
             "documents": None,
             **self.tokenizer.special_tokens_map,
@@ -265,16 +268,16 @@ class ChatEncoder:
 
     def _render(self, messages: list[dict], generation: bool = False) -> str:
         try:
-            if self._compiled is None:
+            if self.compiled is None:
                 return self.tokenizer.apply_chat_template(
                     messages, tokenize=False, chat_template=self.template, add_generation_prompt=generation
                 )
             variables = {**self._variables, "messages": messages, "add_generation_prompt": generation}
-            context = self._compiled.new_context(variables, shared=True)  # shared: the globals are in it
+            context = self.compiled.new_context(variables, shared=True)  # shared: the globals are in it
             try:
-                return "".join(self._compiled.root_render_func(context))  # Template.render's own steps
+                return "".join(self.compiled.root_render_func(context))  # Template.render's own steps
             except Exception:
-                self._compiled.environment.handle_exception()  # as Template.render: the template's line
+                self.compiled.environment.handle_exception()  # as Template.render: the template's line
         except TemplateSyntaxError as exc:
             raise _syntax_error(exc) from exc
         except TemplateError as exc:  # the template's raise_exception(), e.g. "roles must alternate"
