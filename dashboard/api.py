@@ -1,4 +1,5 @@
-"""The JSON API (and /health, /metrics, the plot PNGs): thin routes over ``data`` functions.
+"""The JSON API (and /health, /metrics, the plot PNGs): thin routes over the data functions the page
+also calls (``run_stats``, ``log_series``, ``run_tables``, ``devices``, ``config_diff``).
 
 Every route takes ``run=`` (default: the most recent run). Bad parameters answer 400, an
 unknown run or plot 404, always as JSON ``{"error", "status"}`` (see ``errors``).
@@ -11,11 +12,11 @@ import re
 
 from flask import Blueprint, Response, current_app, jsonify, make_response, request
 
-from trainer.runfolder import plots
+from trainer.runfolder import plots, summaries
 from trainer.runfolder.plots import PLOT_NAMES, PLOT_SOURCES, PlotOptions
 from trainer.runfolder.series import SMOOTHING_MODES
 
-from . import data, prometheus
+from . import config_diff, devices, log_series, prometheus, run_stats, run_tables
 from .errors import DashboardError, bool_arg, choice_arg, float_arg, int_arg
 
 bp = Blueprint("api", __name__)
@@ -57,12 +58,12 @@ def health():
 
 @bp.get("/api/runs")
 def runs():
-    return jsonify(data.runs(state().registry, state().policy))
+    return jsonify(run_stats.runs(state().registry, state().policy))
 
 
 @bp.get("/api/stats")
 def stats():
-    return jsonify(data.stats(current_run(), state().policy))
+    return jsonify(run_stats.stats(current_run(), state().policy))
 
 
 @bp.get("/api/metrics")
@@ -72,9 +73,9 @@ def metrics():
     since_step = int_arg(request.args, "since_step", 0, 0)
     max_points = max_points_arg(1000)
     fmt = choice_arg(request.args, "format", ("json", "csv"), "json")
-    result = data.metrics(current_run(), fields, log, since_step, max_points)
+    result = log_series.metrics(current_run(), fields, log, since_step, max_points)
     if fmt == "csv":
-        return Response(data.metrics_csv(result), mimetype="text/csv")
+        return Response(log_series.metrics_csv(result), mimetype="text/csv")
     return jsonify(result)
 
 
@@ -85,24 +86,24 @@ def series():
     fields = list_arg("field") or (["loss"] if log == "train" else ["eval_loss"])
     since_step = int_arg(request.args, "since_step", 0, 0)
     max_points = max_points_arg(4000)
-    return jsonify(data.series(current_run(), fields, log, since_step, max_points))
+    return jsonify(log_series.series(current_run(), fields, log, since_step, max_points))
 
 
 @bp.get("/api/config")
 def config():
     """The saved config of ``run`` (repeat or comma-separate for several: only differing keys, unless ``all=1``)."""
     names = list_arg("run")
-    return jsonify(data.config_view(state().registry, names, bool_arg(request.args, "all")))
+    return jsonify(config_diff.config_view(state().registry, names, bool_arg(request.args, "all")))
 
 
 @bp.get("/api/evals")
 def evals():
-    return jsonify(data.evals(current_run()))
+    return jsonify(run_tables.evals(current_run()))
 
 
 @bp.get("/api/checkpoints")
 def checkpoints():
-    return jsonify(data.checkpoints(current_run()))
+    return jsonify(run_tables.checkpoints(current_run()))
 
 
 @bp.get("/api/events")
@@ -115,12 +116,12 @@ def events():
         )
     limit = int_arg(request.args, "limit", 1000, 1, 100_000)
     since_ts = float_arg(request.args, "since_ts", None, 0.0, 1e12)
-    return jsonify(data.events(current_run(), set(kinds) or None, limit, since_ts))
+    return jsonify(run_tables.events(current_run(), set(kinds) or None, limit, since_ts))
 
 
 @bp.get("/api/errors")
 def errors():
-    return jsonify(data.errors(current_run()))
+    return jsonify(run_tables.errors(current_run()))
 
 
 @bp.get("/api/gpu")
@@ -129,9 +130,9 @@ def gpu():
     since_ts = float_arg(request.args, "since_ts", None, 0.0, 1e12)
     max_points = max_points_arg(500)
     with_series = bool_arg(request.args, "series", True)
-    result = data.gpu(current_run(), fields, since_ts, max_points, with_series)
+    result = devices.gpu(current_run(), fields, since_ts, max_points, with_series)
     if choice_arg(request.args, "format", ("json", "csv"), "json") == "csv":
-        return Response(data.gpu_csv(result), mimetype="text/csv")
+        return Response(devices.gpu_csv(result), mimetype="text/csv")
     return jsonify(result)
 
 
@@ -147,7 +148,7 @@ def expert_window() -> tuple[str, int | None, int | None]:
 
 @bp.get("/api/experts")
 def experts():
-    return jsonify(data.experts(current_run(), *expert_window()))
+    return jsonify(summaries.experts(current_run(), *expert_window()))
 
 
 @bp.get("/metrics")
@@ -158,7 +159,8 @@ def prometheus_metrics():
         [registry.get(name) for name in registry.runs()] if bool_arg(request.args, "all") else [current_run()]
     )
     entries = [
-        {"stats": data.stats(run, policy), "gpu": data.gpu(run, None, None, 0, False)} for run in chosen
+        {"stats": run_stats.stats(run, policy), "gpu": devices.gpu(run, None, None, 0, False)}
+        for run in chosen
     ]
     return Response(prometheus.exposition(entries), mimetype="text/plain; version=0.0.4")
 

@@ -21,8 +21,8 @@ from trainer.runfolder.columns import finite
 from trainer.runfolder.discovery import find_sweeps, sweep_jobs, sweep_name
 from trainer.runfolder.reader import read_json_object, tail_records
 
-from . import data
 from .errors import choice_arg
+from .run_stats import run_summary
 from .runs import RunRegistry, StallPolicy
 
 bp = Blueprint("overview", __name__)
@@ -135,7 +135,7 @@ def overview(
     membership, sweeps = sweep_index(root)
     rows = []
     for name, path in registry.runs().items():
-        summary = data.run_summary(name, path, root, policy, now)
+        summary = run_summary(name, path, root, policy, now)
         summary["best"] = best_of(path, root)
         job = membership.get(os.path.realpath(path))
         summary["sweep"] = job["sweep"] if job else None

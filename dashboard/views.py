@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from flask import Blueprint, current_app, render_template, request, url_for
 
-from . import data
+from trainer.runfolder import summaries
+
+from . import devices, run_stats, run_tables
 from .errors import DashboardError, float_arg
 
 bp = Blueprint("views", __name__)
@@ -55,14 +57,14 @@ def page_data(run_name: str | None) -> dict:
     run = registry.get(run_name)
     return {
         "run": run.name,
-        "runs": data.runs(registry, policy),
-        "stats": data.stats(run, policy),
-        "checkpoints": data.checkpoints(run),
-        "evals": data.evals(run),
-        "events": data.events(run, None, 200, None),
-        "errors": data.errors(run),
-        "gpu": data.gpu(run, None, None, 0, False),
-        "experts": {k: v for k, v in data.experts(run, "latest", None, None).items() if k != "matrix"},
+        "runs": run_stats.runs(registry, policy),
+        "stats": run_stats.stats(run, policy),
+        "checkpoints": run_tables.checkpoints(run),
+        "evals": run_tables.evals(run),
+        "events": run_tables.events(run, None, 200, None),
+        "errors": run_tables.errors(run),
+        "gpu": devices.gpu(run, None, None, 0, False),
+        "experts": {k: v for k, v in summaries.experts(run, "latest", None, None).items() if k != "matrix"},
     }
 
 

@@ -209,7 +209,8 @@ def test_sql_timeout_is_a_positive_number_of_seconds():
 
 
 def test_sweep_file_errors_use_the_same_reader(tmp_path):
-    from trainer.sweep.spec import SweepError, load_sweep
+    from trainer.sweep.jobs import SweepError
+    from trainer.sweep.spec import load_sweep
 
     sweep = write_yaml(tmp_path / "s.yaml", f"configs: {REPO / 'training_config.yaml'}\nseedz: [1]\n")
     with pytest.raises(SweepError, match=rf"^{sweep}:2: unknown key 'seedz' \(did you mean 'seeds'\?\)"):

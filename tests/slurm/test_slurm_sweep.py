@@ -20,7 +20,8 @@ from tests.helpers import REPO, TINY, deep_merge, wait_for
 from trainer.cli import main
 from trainer.runfolder import slurm_job, slurm_row
 from trainer.sweep import slurm
-from trainer.sweep.spec import SweepError, load_sweep
+from trainer.sweep.jobs import SweepError
+from trainer.sweep.spec import load_sweep
 
 # sbatch/squeue/sacct stand-ins: each call is appended to calls.jsonl; answers come from files beside them.
 FAKE = r"""#!{python}

@@ -21,7 +21,8 @@ import yaml
 from tests.helpers import REPO, TINY, deep_merge, trainer_env, wait_for
 from trainer.cli import main
 from trainer.sweep import locks, status
-from trainer.sweep.spec import SweepError, load_sweep
+from trainer.sweep.jobs import SweepError
+from trainer.sweep.spec import load_sweep
 
 FAKE_JOB = r"""
 import json, os, signal, sys, time

@@ -70,7 +70,7 @@ def register(subparsers) -> None:
 
 def _split_file(args) -> tuple[str | None, str]:
     """``sweep FILE`` or ``sweep status FILE``: (the sub-verb or None, the sweep file)."""
-    from trainer.sweep.spec import SweepError
+    from trainer.sweep.jobs import SweepError
 
     if len(args.file) == 1:
         return None, args.file[0]
@@ -82,8 +82,9 @@ def _split_file(args) -> tuple[str | None, str]:
 def run(args) -> int:
     from trainer.cli import EXIT_BAD_INPUT
     from trainer.sweep import slurm
+    from trainer.sweep.jobs import SweepError
     from trainer.sweep.runner import Runner, dry_run, parse_gpus
-    from trainer.sweep.spec import SweepError, load_sweep
+    from trainer.sweep.spec import load_sweep
 
     try:
         verb, args.file = _split_file(args)

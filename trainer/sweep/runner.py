@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from trainer.sweep import locks, status
-from trainer.sweep.spec import Job, Sweep, SweepError, job_command, job_info
+from trainer.sweep.jobs import Job, Sweep, SweepError, job_command, job_info
 
 EXIT_BAD_INPUT = 2
 EXIT_SIGNALLED = (130, 143)

@@ -27,8 +27,8 @@ from typing import TextIO
 from trainer.runfolder import read_run_json
 from trainer.runfolder.slurm import task_id
 from trainer.sweep import locks, status
+from trainer.sweep.jobs import Job, Sweep, SweepError, job_info
 from trainer.sweep.slurm_script import SLURM_DIR, SlurmOptions, render_script, slurm_options
-from trainer.sweep.spec import Job, Sweep, SweepError, job_info
 
 __all__ = [
     "SlurmOptions",

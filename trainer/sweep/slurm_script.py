@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.sweep import locks
-from trainer.sweep.spec import Job, Sweep, SweepError, set_arguments
+from trainer.sweep.jobs import Job, Sweep, SweepError, set_arguments
 
 KIT_ROOT = Path(__file__).resolve().parents[2]
 SLURM_DIR = "slurm"  # <root>/slurm/: submitted scripts and SLURM's own output files
