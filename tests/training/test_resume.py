@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import time
 
 import pytest
 
 from tests.faults import run_with_faults
-from tests.helpers import run_trainer, start_trainer, wait_for
+from tests.helpers import REPO, run_trainer, start_trainer, wait_for
 from trainer import runfolder
 from trainer.runfolder import iter_records, last_per_step
 
@@ -113,3 +115,90 @@ def test_resume_from_wrong_path_is_a_clear_error(write_config, tmp_path):
     empty = run_trainer("train", "--config", str(config), "--resume")
     assert empty.returncode == 2 and "--resume: no complete checkpoint in" in empty.stderr
     assert not os.path.exists(tmp_path / "run" / "checkpoint-4")
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_long_evaluation_saves_its_step_and_resumes_exactly(write_config, tmp_path):
+    """Preemption in the middle of an evaluation of thousands of rows: the evaluation stops within a batch,
+    the step is saved with its evaluation pending, the run exits 143 well inside a scheduler's 30 s grace,
+    and the resume evaluates that step again before training on, with the losses of an uninterrupted run."""
+    long_eval = {
+        "training": {"max_steps": 10, "save_steps": 100},
+        "data": {"val_fraction": 0.15},  # about 10 s of evaluation on a 2-core CPU
+        "eval": {"interval": 6, "at_end": False, "max_batches": 0},
+    }
+    reference = write_config(
+        {**long_eval, "eval": {**long_eval["eval"], "max_batches": 1}}, "ref.yaml", "ref"
+    )
+    result = run_trainer("train", "--config", str(reference))
+    assert result.returncode == 0, result.stderr[-2000:]
+    config, run = write_config(long_eval), tmp_path / "run"
+    proc = start_trainer("train", "--config", str(config))
+    started = lambda: any(e["event"] == "eval_start" for e in events(run))  # noqa: E731
+    assert wait_for(
+        lambda: (run / "logs" / runfolder.EVENTS_LOG).exists() and started() or proc.poll() is not None
+    )
+    time.sleep(1.0)  # well into the evaluation
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, output[-2000:]
+    assert time.monotonic() - sent < 30
+    names = [(e["event"], e["step"]) for e in events(run)]
+    assert ("eval_start", 6) in names and ("eval_done", 6) not in names  # it was cut, not finished
+    assert names[-3:] == [("signal", 6), ("checkpoint_saved", 6), ("run_end", 6)]
+    state = json.loads((run / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["eval_pending"] is True and state["metric_value"] is None
+    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
+
+    resumed = run_trainer("train", "--config", str(config))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_losses(run, losses(tmp_path / "ref"))
+    evals = list(iter_records(run / "logs" / runfolder.EVAL_LOG))
+    assert [r["step"] for r in evals] == [6]  # the evaluation the signal cut, done on resume
+    state = json.loads((run / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["eval_pending"] is False and state["metric_value"] == pytest.approx(evals[0]["eval_loss"])
+    saved = [e["kind"] for e in events(run) if e["event"] == "checkpoint_saved" and e["step"] == 6]
+    assert saved == ["signal", "signal"]  # at the signal, then again with its evaluation
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_mid_evaluation_stops_every_rank_at_the_same_batch(write_config, tmp_path):
+    """Two CPU ranks; only rank 1 (which writes no logs) gets SIGTERM, in the middle of a long evaluation. Rank 0
+    learns of it through the per-batch agreement: both leave the evaluation at the same batch (a rank that
+    left alone would hang the other in its next collective), save one checkpoint of the step, and exit."""
+    import psutil
+
+    from tests.training.test_fsdp import two_process_command, two_process_env
+
+    config = write_config(
+        {
+            "training": {"max_steps": 10, "save_steps": 100},
+            "data": {"val_fraction": 0.15},
+            "eval": {"interval": 6, "at_end": False, "max_batches": 0},
+        }
+    )
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        two_process_command(config), cwd=REPO, env=two_process_env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    started = lambda: any(e["event"] == "eval_start" for e in events(run))  # noqa: E731
+    assert wait_for(
+        lambda: (run / "logs" / runfolder.EVENTS_LOG).exists() and started() or proc.poll() is not None
+    )
+    time.sleep(1.0)
+    ranks = {p.environ().get("RANK"): p for p in psutil.Process(proc.pid).children(recursive=True)}
+    ranks["1"].send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    proc.wait(timeout=120)
+    assert time.monotonic() - sent < 30
+    names = [(e["event"], e["step"]) for e in events(run)]
+    assert ("eval_start", 6) in names and ("eval_done", 6) not in names
+    assert [n for n in names if n[0] in ("signal", "checkpoint_saved")] == [
+        ("signal", 6),
+        ("checkpoint_saved", 6),
+    ]
+    assert json.loads((run / "run.json").read_text())["status"] == "interrupted"
+    state = json.loads((run / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["eval_pending"] is True and state["processes"] == 2

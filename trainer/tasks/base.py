@@ -38,8 +38,11 @@ class Task(ABC):
         """The gold continuation of ``prompt(example)`` (starts with a space)."""
 
     @abstractmethod
-    def score(self, predictions: list[str], examples: list[dict]) -> dict[str, float]:
-        """Task metrics for generated continuations, one per example, in order."""
+    def score(self, predictions: list[str], examples: list[dict], stop_check=None) -> dict[str, float]:
+        """Task metrics for generated continuations, one per example, in order.
+
+        A task whose scoring can take long (running SQL) calls ``stop_check()`` between predictions, the
+        same number of times for the same predictions; it may raise (a SIGTERM during training)."""
 
     def answer_words(self) -> tuple[str, ...]:
         """The fixed words an answer must contain whole to be scored (GLUE's label words); none by default."""

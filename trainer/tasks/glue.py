@@ -294,11 +294,14 @@ class GlueTask(Task):
             return parse_score(text)
         return parse_label(text, self.spec.label_words, self.spec.synonyms)
 
-    def score(self, predictions: list[str], examples: list[dict]) -> dict[str, float | str | None]:
+    def score(
+        self, predictions: list[str], examples: list[dict], stop_check=None
+    ) -> dict[str, float | str | None]:
         """GLUE's metrics for this task, plus ``unparsed`` (answers naming no label) and ``n``.
 
         A metric that is undefined (a correlation over a non-finite score) is None, never a number,
-        and ``undefined`` says which and why, so a broken gold file cannot score perfectly.
+        and ``undefined`` says which and why, so a broken gold file cannot score perfectly. Parsing is
+        quick and bounded per answer, so ``stop_check`` is not needed here.
         """
         self._check_aligned(predictions, examples)
         golds = [e["label"] for e in examples]

@@ -182,9 +182,9 @@ class SpiderTask(Task):
     def target(self, example: dict) -> str:
         return " " + example["query"].strip()
 
-    def score(self, predictions: list[str], examples: list[dict]) -> dict[str, float]:
+    def score(self, predictions: list[str], examples: list[dict], stop_check=None) -> dict[str, float]:
         """``exact_match`` and ``execution_accuracy``, plus counts of unreadable, refused, failing and
-        timed-out predictions."""
+        timed-out predictions. ``stop_check`` runs before each prediction: each may take the SQL time limit."""
         self._check_aligned(predictions, examples)
         counts = dict.fromkeys(
             ("exact_match", "execution_accuracy", "unparsed", *REFUSALS, "exec_errors", "timeouts"), 0
@@ -193,6 +193,8 @@ class SpiderTask(Task):
         gold_cache: dict[tuple[str, str], ExecResult] = {}
         with SqliteRunner(self.db_root, timeout_s=self.timeout_s) as runner:
             for generated, example in zip(predictions, examples):
+                if stop_check is not None:
+                    stop_check()
                 self._score_one(generated, example, runner, gold_cache, counts)
         n = len(examples)
         rates = {k: counts[k] / n if n else 0.0 for k in ("exact_match", "execution_accuracy")}

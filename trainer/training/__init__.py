@@ -11,7 +11,8 @@
 - ``evaluation``: validation loss and task metrics during training, and the rule for "best".
 - ``task_eval`` and ``generation``: a task (trainer/tasks) scored on ``model.generate()`` across ranks;
   also what ``python -m trainer evaluate`` runs.
-- ``signals``: SIGTERM/SIGINT as a request to checkpoint and stop.
+- ``signals``: SIGTERM/SIGINT as a request to checkpoint and stop (at once in set-up, between evaluation batches,
+  after the step in training); ``should_stop()`` for long set-up work that polls.
 - ``step_log``: the per-step training record, expert usage and the progress bar.
 - ``run_status``: run.json and the run_start/run_end events.
 - ``console`` and ``trackers``: what the terminal and W&B/MLflow/TensorBoard see.

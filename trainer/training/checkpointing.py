@@ -31,6 +31,7 @@ class LoopState:
     best: float | None = None  # best value of eval.metric_for_best so far
     last_eval: dict | None = None  # the latest evaluation, with its step
     final_loss: float | None = None  # the latest step's loss
+    eval_pending: bool = False  # a signal cut this step's evaluation: resume runs it again first
 
     def trainer_state(self, cfg: Config) -> dict:
         """trainer_state.json; the metric only counts when the evaluation belongs to this step."""
@@ -43,6 +44,7 @@ class LoopState:
             "metric_value": metric_value(fresh, cfg),
             "best_metric": self.best,
             "step_shape": self.shape.as_dict(),  # an OOM fallback's smaller shape survives a resume
+            "eval_pending": self.eval_pending,
         }
 
 
@@ -118,6 +120,7 @@ def restore(resume_from, accelerator, model, state: LoopState, optimizer=None, s
     state.step = saved["step"]
     state.pos = Position(saved["epoch_index"], saved["rows_seen"])
     state.best = saved.get("best_metric")
+    state.eval_pending = bool(saved.get("eval_pending"))
     shape = saved.get("step_shape")
     if shape and shape["micro"] * shape["accum"] == state.shape.micro * state.shape.accum:
         state.shape = StepShape(**shape)

@@ -26,8 +26,13 @@ from trainer.training.task_eval import evaluate_generation
 
 
 @torch.no_grad()
-def evaluate_loss(model, val: list[Sequence], cfg: Config, accelerator, pad_id: int, loss: LossFn) -> dict:
-    """Token-weighted validation loss across all ranks, with ``loss`` (the run's ``StepKernels.loss``)."""
+def evaluate_loss(
+    model, val: list[Sequence], cfg: Config, accelerator, pad_id: int, loss: LossFn, stop_check=None
+) -> dict:
+    """Token-weighted validation loss across all ranks, with ``loss`` (the run's ``StepKernels.loss``).
+
+    ``stop_check`` (``StopFlag.check``) runs before every batch, the same number of times on every rank,
+    so a SIGTERM ends even a long evaluation within one batch, all ranks at the same one."""
     was_training = model.training
     model.eval()
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -38,20 +43,25 @@ def evaluate_loss(model, val: list[Sequence], cfg: Config, accelerator, pad_id: 
     loss_sum = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     tokens = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     mine = batches[rank::world]
-    rounds = len(mine)
-    if fsdp.active(accelerator) and batches:
-        # Every forward gathers weights from all ranks: each runs as many (a repeat, not counted, if short).
-        rounds = -(-len(batches) // world)
-    for k in range(rounds):
-        ids = mine[k] if k < len(mine) else (mine or batches)[-1]
-        batch = collate([val[i] for i in ids], pad_id)
-        ce_sum, _ = loss(model, batch, accelerator)
-        if k < len(mine):
-            loss_sum += ce_sum.double()
-            tokens += count_targets(batch)
+    rounds = -(-len(batches) // world)  # every rank checks for a stop as often, whatever its share
+    # Under FSDP every forward gathers weights from all ranks: each runs as many (a repeat, not counted, if short).
+    forward_rounds = rounds if fsdp.active(accelerator) and batches else len(mine)
+    try:
+        for k in range(rounds):
+            if stop_check is not None:
+                stop_check()
+            if k >= forward_rounds:
+                continue
+            ids = mine[k] if k < len(mine) else (mine or batches)[-1]
+            batch = collate([val[i] for i in ids], pad_id)
+            ce_sum, _ = loss(model, batch, accelerator)
+            if k < len(mine):
+                loss_sum += ce_sum.double()
+                tokens += count_targets(batch)
+    finally:
+        model.train(was_training)
     loss_sum = accelerator.reduce(loss_sum, "sum")
     tokens = accelerator.reduce(tokens, "sum")
-    model.train(was_training)
     eval_loss = float(loss_sum / tokens) if tokens > 0 else float("nan")
     return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0)), "eval_tokens": int(tokens)}
 
@@ -87,12 +97,14 @@ class Evaluator:
     log: runfolder.RunLog
     faults: Faults
 
-    def loss_with_oom_fallback(self, step: int) -> dict | None:
+    def loss_with_oom_fallback(self, step: int, stop_check=None) -> dict | None:
         """An OOM while evaluating halves the evaluation batch; at batch 1 the evaluation is skipped, never fatal."""
         while True:
             try:
                 self.faults.oom("eval", step)
-                return evaluate_loss(self.model, self.val, self.cfg, self.accelerator, self.pad_id, self.loss)
+                return evaluate_loss(
+                    self.model, self.val, self.cfg, self.accelerator, self.pad_id, self.loss, stop_check
+                )
             except Exception as exc:
                 if not is_oom(exc) or self.accelerator.num_processes > 1:
                     raise
@@ -111,26 +123,38 @@ class Evaluator:
                     new={"eval_batch_size": old // 2},
                 )
 
-    def run(self, step: int, best) -> dict | None:
-        """Evaluate now; logs eval_log.jsonl and the events, returns the result with its step (None if none ran)."""
+    def run(self, step: int, best, stop_check=None) -> dict | None:
+        """Evaluate now; logs eval_log.jsonl and the events, returns the result with its step (None if none ran).
+
+        ``stop_check`` runs between batches (loss, generation, scoring) and raises to abandon the evaluation:
+        then no record is written, and the caller decides what a cut evaluation means."""
         if not self.val and self.task is None:
             return None
         self.counter.stop()
         self.log.event("eval_start", step=step)
-        result = {}
-        if self.val:
-            result = self.loss_with_oom_fallback(step)
-            if result is None:
-                return None
-        if self.task is not None:
-            generated = evaluate_generation(
-                self.model, self.tokenizer, self.task, self.examples, self.cfg, self.accelerator
-            )
-            result.update(task=generated["task"], metrics=generated["metrics"], samples=generated["samples"])
+        try:
+            result = self.evaluate(step, stop_check)
+        finally:
+            if fsdp.active(self.accelerator):
+                fsdp.reshard(self.model)  # no backward followed these forwards to free the gathered layers
+        if result is None:
+            return None
         value = metric_value(result, self.cfg)
         is_best = best_is(value, best, self.cfg)
         self.log.append(EvalRecord.from_result(step, result, metric_for_best(self.cfg), is_best))
         self.log.event("eval_done", step=step, eval_loss=result.get("eval_loss"), metric_value=value)
-        if fsdp.active(self.accelerator):
-            fsdp.reshard(self.model)  # no backward followed these forwards to free the gathered layers
         return {**result, "step": step}
+
+    def evaluate(self, step: int, stop_check) -> dict | None:
+        """The validation loss, then the task's metrics; None when the loss could not be measured."""
+        result = {}
+        if self.val:
+            result = self.loss_with_oom_fallback(step, stop_check)
+            if result is None:
+                return None
+        if self.task is not None:
+            generated = evaluate_generation(
+                self.model, self.tokenizer, self.task, self.examples, self.cfg, self.accelerator, stop_check
+            )
+            result.update(task=generated["task"], metrics=generated["metrics"], samples=generated["samples"])
+        return result

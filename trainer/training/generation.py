@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,12 +80,15 @@ def generate(
     do_sample: bool = False,
     batch_size: int = 8,
     max_total_length: int | None = None,
+    stop_check: Callable[[], None] | None = None,
     **generate_kwargs: Any,
 ) -> Generations:
     """Continue every prompt; greedy by default, beam search with ``num_beams > 1``.
 
     ``generate_kwargs`` go to ``model.generate`` (``temperature``, ``top_p``, ``repetition_penalty``...).
     Works on a PEFT-wrapped model; pass an unwrapped one (``accelerator.unwrap_model``), not DDP.
+    ``stop_check`` is called before every batch and may raise to abandon the generation (the trainer's
+    ``StopFlag.check`` on SIGTERM); it is called ``batches(len(prompts), batch_size)`` times.
     """
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         raise ValueError("generate() handles decoder-only models; this model is encoder-decoder")
@@ -125,6 +129,8 @@ def generate(
     try:
         with torch.no_grad():
             for b in range(0, len(order), batch_size):
+                if stop_check is not None:
+                    stop_check()
                 batch = order[b : b + batch_size]
                 width = max(len(encoded[i]) for i in batch)
                 new_tokens = min(max_new_tokens, limit - width) if limit else max_new_tokens
@@ -161,6 +167,11 @@ def generate(
             result.capped_batches,
         )
     return result
+
+
+def batches(prompts: int, batch_size: int) -> int:
+    """How many batches ``generate`` runs for ``prompts`` prompts (ranks with fewer pad their stop checks)."""
+    return -(-prompts // batch_size)
 
 
 def generate_texts(model: Any, tokenizer: Any, prompts: list[str], **kwargs: Any) -> list[str]:

@@ -38,7 +38,7 @@ from trainer.training.evaluation import Evaluator
 from trainer.training.faults import NO_FAULTS, Faults
 from trainer.training.oom_retry import OomFallback
 from trainer.training.optim import make_optimizer, make_scheduler
-from trainer.training.signals import StopFlag
+from trainer.training.signals import StopFlag, Stopped
 from trainer.training.step import Step, StepShape, choose_kernels, next_step_rows
 from trainer.training.step_log import StepLog
 from trainer.training.task_eval import load_task, resolve_metric
@@ -226,8 +226,8 @@ def open_run(cfg, accelerator, output_dir, log, loaded, data, total_steps, step,
     return notifier, trackers.Trackers(accelerator, cfg).start(output_dir.name, cfg)
 
 
-def start_monitoring(cleanup, run: Run, log, accelerator, output_dir: Path, state: LoopState):
-    """Expert hooks, telemetry sampler, signal handlers and progress bar, each released by ``cleanup``."""
+def start_monitoring(cleanup, run: Run, log, accelerator, output_dir: Path, state: LoopState) -> StepLog:
+    """Expert hooks, telemetry sampler and progress bar, each released by ``cleanup``."""
     cfg = run.cfg
     cleanup.callback(run.counter.remove)
     telemetry = TelemetrySampler(
@@ -235,13 +235,11 @@ def start_monitoring(cleanup, run: Run, log, accelerator, output_dir: Path, stat
     )
     telemetry.start()
     cleanup.callback(telemetry.stop)
-    stop = StopFlag().install()
-    cleanup.callback(stop.restore)
     step_log = StepLog(
         cfg, log, accelerator, run.counter, run.trackers, run.total_steps, run.train_rows, state.step
     )
     cleanup.callback(step_log.close)
-    return stop, step_log
+    return step_log
 
 
 def loss_and_grad_norm(accelerator, model, result, cfg: Config) -> tuple[float, float]:
@@ -283,6 +281,18 @@ def eval_due(step: int, total_steps: int, cfg: Config) -> bool:
     return step % cfg.eval.interval == 0 or (step == total_steps and cfg.eval.at_end)
 
 
+def evaluate(run: Run, state: LoopState, stop: StopFlag, accelerator) -> None:
+    """Evaluate this step, checking for a stop between batches; a cut evaluation is left pending, and the
+    checkpoint saved next records that, so a resume evaluates this step again before training on."""
+    try:
+        check = functools.partial(stop.check, accelerator)
+        state.last_eval = run.evaluator.run(state.step, state.best, check)
+        state.eval_pending = False
+        run.trackers.log_eval(state.step, state.last_eval)
+    except Stopped:
+        state.last_eval, state.eval_pending = None, True
+
+
 # ---------------------------------------------------------------- the loop
 
 
@@ -298,22 +308,32 @@ def train(
     log = runfolder.RunLog(output_dir, enabled=accelerator.is_main_process)
     state = LoopState(StepShape(cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps))
     run: Run | None = None
+    stop = StopFlag()  # during set-up a signal stops at once; from here on, at agreed points (signals.py)
     exit_code = 0
     try:
         # Released first on every ending (finish, signal, error), before run.json says how it ended.
         with contextlib.ExitStack() as cleanup:
+            cleanup.callback(stop.install().restore)
             run = set_up(cfg, accelerator, output_dir, log, resume_from, state, config_source, faults)
             cfg, model, optimizer, scheduler = run.cfg, run.model, run.optimizer, run.scheduler
-            stop, step_log = start_monitoring(cleanup, run, log, accelerator, output_dir, state)
+            step_log = start_monitoring(cleanup, run, log, accelerator, output_dir, state)
+            stop.immediate = False  # the run is open: a signal now ends in a checkpoint and run.json's status
             freeze_setup_objects()
             cleanup.callback(
                 gc.unfreeze
             )  # a process that trains again (tests, sweeps) can free this run's objects
 
             model.train()
-            if cfg.eval.at_start and state.step == 0:
-                state.last_eval = run.evaluator.run(state.step, state.best)
-            while state.step < run.total_steps:
+            if state.eval_pending or (cfg.eval.at_start and state.step == 0):
+                cut_short = state.eval_pending
+                evaluate(run, state, stop, accelerator)
+                if cut_short and not state.eval_pending and state.step < run.total_steps:
+                    # The checkpoint the signal saved, again with its evaluation, so best and top-K see it.
+                    run.checkpointer.save("signal", state)
+            if stop.requested(accelerator):  # before the first step: nothing new to save
+                log.event("signal", step=state.step, signal=stop.name)
+                exit_code = stop.exit_code
+            while not exit_code and state.step < run.total_steps:
                 started = time.time()
                 rows, state.pos = next_step_rows(
                     run.train_rows, run.rows_per_step, cfg.training.seed, state.pos
@@ -341,8 +361,7 @@ def train(
 
                 should_save = state.step % cfg.training.save_steps == 0 and state.step < run.total_steps
                 if should_save or eval_due(state.step, run.total_steps, cfg):
-                    state.last_eval = run.evaluator.run(state.step, state.best)
-                    run.trackers.log_eval(state.step, state.last_eval)
+                    evaluate(run, state, stop, accelerator)
                 if should_save:
                     run.checkpointer.save("periodic", state)
                 if stop.requested(accelerator):
@@ -353,8 +372,11 @@ def train(
                     break
                 if state.step % 10 == 0:
                     log.update_run(step=state.step)
-            else:
+            if not exit_code:
                 run.checkpointer.save("final", state)
+    except Stopped:  # raised by the signal handler during set-up: no run is open, nothing new to save
+        print(f"stopped by {stop.name} during set-up; nothing to save", flush=True)
+        return stop.exit_code
     except BaseException as exc:
         end_with_error(exc, log, state, accelerator, run)
         raise

@@ -74,14 +74,19 @@ def answer_room(task, tokenizer, max_new_tokens: int) -> str | None:
     )
 
 
-def evaluate_generation(model, tokenizer, task, examples: list[dict], cfg: Config, accelerator) -> dict:
-    """Each rank generates for its share of the examples; predictions are gathered in order, then scored."""
+def evaluate_generation(
+    model, tokenizer, task, examples: list[dict], cfg: Config, accelerator, stop_check=None
+) -> dict:
+    """Each rank generates for its share of the examples; predictions are gathered in order, then scored.
+
+    ``stop_check`` (``StopFlag.check``) runs before every generation batch and between scored predictions, as
+    often on every rank (a rank with a smaller share makes up its missing batches' checks), and may raise."""
     import sys
 
     from accelerate.utils import gather_object
 
     from trainer.training import fsdp
-    from trainer.training.generation import generate
+    from trainer.training.generation import batches, generate
 
     world, rank = accelerator.num_processes, accelerator.process_index
     mine = list(range(rank, len(examples), world))
@@ -101,7 +106,12 @@ def evaluate_generation(model, tokenizer, task, examples: list[dict], cfg: Confi
     texts = []
     if run:
         prompts = [task.prompt(examples[i]) for i in run]
-        texts = generate(accelerator.unwrap_model(model), tokenizer, prompts, **kwargs).texts[: len(mine)]
+        unwrapped = accelerator.unwrap_model(model)
+        texts = generate(unwrapped, tokenizer, prompts, stop_check=stop_check, **kwargs).texts[: len(mine)]
+    if stop_check is not None:  # a rank with fewer batches than the largest share makes up their checks
+        rounds = batches(-(-len(examples) // world), kwargs["batch_size"])
+        for _ in range(rounds - batches(len(run), kwargs["batch_size"])):
+            stop_check()
     pairs = list(zip(mine, texts))
     if world > 1:
         pairs = gather_object(pairs)
@@ -110,4 +120,5 @@ def evaluate_generation(model, tokenizer, task, examples: list[dict], cfg: Confi
         {"prompt": task.prompt(e), "prediction": p, "target": task.target(e)}
         for p, e in list(zip(predictions, examples))[:3]
     ]
-    return {"task": task.name, "metrics": task.score(predictions, examples), "samples": samples}
+    metrics = task.score(predictions, examples, stop_check=stop_check)
+    return {"task": task.name, "metrics": metrics, "samples": samples}
