@@ -20,7 +20,10 @@ import torch
 from trainer import peft_methods, runfolder
 from trainer.config import Config
 from trainer.data.dataset import prepare_data
-from trainer.model.loading import load_for_training
+from trainer.data.prepare import workers_of
+from trainer.families import family_for
+from trainer.families.extras import model_type
+from trainer.model.loading import load_for_training, load_tokenizer
 from trainer.monitor.experts import ExpertCounter
 from trainer.monitor.notify import Notifier
 from trainer.monitor.telemetry import TelemetrySampler
@@ -137,13 +140,16 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
     """Model and the step's kernels, data, optimizer, the loop's helpers; resume; then open the run."""
     from accelerate.utils import set_seed
 
+    # Data first: its errors show before a long model load, and its worker processes fork from a small
+    # process. The first process to get here builds the cache; the others wait for it and reuse it.
+    data = prepare_data(
+        cfg.paths, cfg.data, load_tokenizer(cfg), family_for(model_type(cfg) or "", cfg.model.family).packing,
+        workers_of(cfg.performance),
+    )  # fmt: skip
     set_seed(cfg.training.seed)
     loaded = load_for_training(model_source(cfg, resume_from), accelerator.device)
     kernels = choose_kernels(loaded, cfg, accelerator.device)
     tokenizer, is_main = loaded.tokenizer, accelerator.is_main_process
-    data = prepare_data(
-        cfg.paths, cfg.data, tokenizer, loaded.family.packing, cfg.performance.dataloader_num_workers
-    )
     task, task_examples = load_task(cfg)
     cfg = resolve_metric(cfg, task)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -211,7 +217,7 @@ def open_run(cfg, accelerator, output_dir, log, loaded, data, total_steps, step,
     )
     console.announce(accelerator, cfg, loaded, data, total_steps, resume_from)
     if is_main:
-        console.length_report(cfg, loaded.tokenizer, output_dir, log, step)
+        console.length_report(data.length_report, output_dir, log, step)
     notifier = Notifier.from_config(cfg, run_name=output_dir.name, enabled=is_main)
     notifier.notify(
         "start",
