@@ -91,8 +91,10 @@ def from_dataset(cfg, split: str) -> Source:
 def first_record(source: Source, on_bad_line: str) -> dict | None:
     """The first record that parses, read without loading the rest (a bad line before it still counts later)."""
     if source.line_based:
-        for path in source.files:
-            for _, record, why in _line_records(path, 0, path.stat().st_size, 1, _tsv_header(path)):
+        for r in (r for path in source.files for r in file_ranges(path)):
+            for _, record, why in _line_records(
+                Path(r["file"]), r["start"], r["end"], r["line"], r["header"]
+            ):
                 if record is not None:
                     return record
                 if on_bad_line == "fail":
@@ -112,35 +114,36 @@ def _tsv_header(path: Path) -> list[str] | None:
         return next(csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE), None) or []
 
 
+def file_ranges(path: Path):
+    """``path`` cut into ranges of about RANGE_BYTES at line ends, each with the number of its first line;
+    lazily, a block at a time, so finding the first record reads one block, not the file."""
+    header = _tsv_header(path)
+    size, line, start = path.stat().st_size, 1, 0
+    with open(path, "rb") as handle:
+        while start < size:
+            handle.seek(start)
+            block = handle.read(RANGE_BYTES)
+            end = start + len(block)
+            if end < size:
+                rest = handle.readline()  # finish the line the block cut
+                end += len(rest)
+                block += rest
+            lines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+            yield {
+                "file": str(path),
+                "start": start,
+                "end": end,
+                "line": line,
+                "lines": lines,
+                "header": header,
+            }
+            line += lines
+            start = end
+
+
 def line_ranges(files: list[Path]) -> list[dict]:
-    """Each file cut into ranges of about RANGE_BYTES at line ends, with the number of each range's first line."""
-    ranges = []
-    for path in files:
-        header = _tsv_header(path)
-        size, line, start = path.stat().st_size, 1, 0
-        with open(path, "rb") as handle:
-            while start < size:
-                handle.seek(start)
-                block = handle.read(RANGE_BYTES)
-                end = start + len(block)
-                if end < size:
-                    rest = handle.readline()  # finish the line the block cut
-                    end += len(rest)
-                    block += rest
-                lines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
-                ranges.append(
-                    {
-                        "file": str(path),
-                        "start": start,
-                        "end": end,
-                        "line": line,
-                        "lines": lines,
-                        "header": header,
-                    }
-                )
-                line += lines
-                start = end
-    return ranges
+    """Every file's ranges, in order: one ``datasets.map`` task each."""
+    return [r for path in files for r in file_ranges(path)]
 
 
 def _line_records(path: Path, start: int, end: int, first_line: int, header: list[str] | None):
