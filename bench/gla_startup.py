@@ -28,6 +28,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -77,6 +78,8 @@ def run(args) -> dict:
     if args.untuned:
         env["FLA_CACHE_MODE"] = "disabled"
     command = [sys.executable, "-m", "trainer", "train", "--config", args.config]
+    if args.launcher:  # what a user types: set-up (venv, extras), config check, then the same trainer
+        command = [str(REPO / "launch_training.sh"), "--config", args.config]
     for item in sets:
         command += ["--set", item]
     lines: list[tuple[float, str]] = []
@@ -86,10 +89,19 @@ def run(args) -> dict:
     )
     watchdog = threading.Timer(args.timeout, proc.kill)  # the reader below blocks until the run's output ends
     watchdog.start()
-    for line in proc.stdout:
-        lines.append((time.time() - start, line.rstrip("\n")))
+    log = open(args.log, "w") if args.log else None  # noqa: SIM115 - written line by line: a killed run keeps it
+    try:
+        for line in proc.stdout:
+            lines.append((time.time() - start, line.rstrip("\n")))
+            if log:
+                log.write(f"{lines[-1][0]:8.1f} {lines[-1][1]}\n")
+                log.flush()
+    except KeyboardInterrupt:  # SIGTERM (an outer timeout) or Ctrl-C: stop the run, still write the row
+        proc.kill()
     proc.wait()
     watchdog.cancel()
+    if log:
+        log.close()
     total = time.time() - start
     kernels_at = next((t for t, line in lines if line.startswith("kernels:")), None)
     tuned = []  # (seconds since launch, kernel, autotuning seconds)
@@ -111,6 +123,7 @@ def run(args) -> dict:
     row = {
         "label": args.label,
         "config": args.model or args.config,
+        "launcher": args.launcher,
         "sets": args.set,
         "fresh_cache": args.fresh,
         "tuned_configs": not args.untuned,
@@ -134,8 +147,6 @@ def run(args) -> dict:
         out = Path(args.out)
         rows = json.loads(out.read_text()) if out.exists() else []
         out.write_text(json.dumps([*rows, row], indent=2))
-    if args.log:
-        Path(args.log).write_text("".join(f"{t:8.1f} {line}\n" for t, line in lines))
     shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({k: v for k, v in row.items() if k not in ("tail", "autotuned_kernels")}), flush=True)
     return row
@@ -217,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--triton-cache", required=True)
     one.add_argument("--fresh", action="store_true", help="empty the Triton cache first (a fresh machine)")
     one.add_argument("--untuned", action="store_true", help="FLA_CACHE_MODE=disabled: autotune every kernel")
+    one.add_argument(
+        "--launcher", action="store_true", help="through ./launch_training.sh (VENV_DIR applies)"
+    )
     one.add_argument("--timeout", type=float, default=3600)
     one.add_argument("--out", help="append the row to this JSON list")
     one.add_argument("--log", help="write the run's output, time-stamped, here")
@@ -226,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     tb = verbs.add_parser("table")
     tb.add_argument("results")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # an outer `timeout` still gets the row written
     if args.verb == "run":
         row = run(args)
         return 0 if row["returncode"] == 0 else 1

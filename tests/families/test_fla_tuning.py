@@ -80,7 +80,7 @@ def test_the_lookup_is_turned_on_for_a_card_with_shipped_configs(on_a_gpu, capsy
     assert fla_tuning.use_tuned_configs() == on_a_gpu
     assert cache.FLA_CACHE_MODE is cache.FlaCacheMode.STRICT
     assert cache.get_fla_config_dir() == on_a_gpu
-    assert "fla: tuned Triton configurations for Test_GPU (1 kernels)" in capsys.readouterr().out
+    assert "fla: tuned Triton configurations for Test_GPU (1 kernels, lookup on for" in capsys.readouterr().out
 
 
 def test_the_users_fla_settings_are_left_alone(on_a_gpu, monkeypatch):
@@ -88,3 +88,28 @@ def test_the_users_fla_settings_are_left_alone(on_a_gpu, monkeypatch):
     monkeypatch.setenv("FLA_CACHE_MODE", "disabled")
     assert fla_tuning.use_tuned_configs() is None
     assert cache.FLA_CACHE_MODE is cache.FlaCacheMode.DISABLED and "FLA_CONFIG_DIR" not in os.environ
+
+
+def test_fla_kernels_on_triton_autotune_get_the_lookup_too(tmp_path, monkeypatch):
+    """chunk_fwd_kernel_h (GLA's chunk state) is built with plain triton.autotune, which never looks anything
+    up: a fresh H100 autotuned it for 35 s per key with its configuration shipped. Routed, it finds it."""
+    import fla.ops.common.chunk_h as chunk_h
+    from triton.runtime.autotuner import Autotuner
+
+    routed = fla_tuning.route_autotuners_through_lookup(cache.CachedAutotuner)
+    tuner = chunk_h.chunk_fwd_kernel_h
+    while not isinstance(tuner, Autotuner):
+        tuner = tuner.fn
+    assert isinstance(tuner, cache.CachedAutotuner) and tuner.kernel_name == "chunk_fwd_kernel_h"
+    assert fla_tuning.route_autotuners_through_lookup(cache.CachedAutotuner) == routed > 100  # all, once
+
+    _triton_cache(tmp_path / "triton", "chunk_fwd_kernel_h", KEY, {(64, 4): 0.01})
+    gla_startup.main(
+        ["export", "--triton-cache", str(tmp_path / "triton"), "--to", str(tmp_path / "configs")]
+    )
+    monkeypatch.setenv("FLA_CONFIG_DIR", str(tmp_path / "configs"))
+    monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FlaCacheMode.STRICT)
+    monkeypatch.setattr(tuner, "cache", {})
+    tuner.maybe_load_cached_config(cache.AutotuneKey(tuple(KEY)), nargs={}, runtime_kwargs={})
+    chosen = tuner.cache[tuple(KEY)]
+    assert chosen.kwargs == {"BK": 64} and chosen.num_warps == 4

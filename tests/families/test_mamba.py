@@ -470,3 +470,20 @@ def test_mamba1_trains_in_bf16_without_autocast_as_a_gpu_run_does(
         losses_seen.append(float(ce_sum.detach()) / count_targets(batch))
     assert all(torch.isfinite(torch.tensor(losses_seen))) and losses_seen[-1] < losses_seen[0], losses_seen
     assert set(seen_c) == {torch.bfloat16}
+
+
+def test_mamba2_skips_fla_where_fla_itself_refuses_the_backward(monkeypatch):
+    """On Hopper with triton 3.4-3.7.0 fla raises in the SSD scan's backward (fla #640): the path is not offered,
+    with fla's reason, instead of a self-check that compiles for 107 s (fresh H100) and then fails."""
+    from transformers import Mamba2Config
+
+    from trainer.families import mamba
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mamba, "_importable", lambda name: False)
+    monkeypatch.setattr(mamba, "_fla_usable", lambda: True)
+    monkeypatch.setattr(mamba, "_fla_refuses_gated_backward", lambda: None)
+    assert mamba.kernel_path(Mamba2Config()) == "fla-triton-ssd"
+    monkeypatch.setattr(mamba, "_fla_refuses_gated_backward", lambda: "fla refuses it here (fla #640)")
+    assert mamba.kernel_paths(Mamba2Config())["fla-triton-ssd"] == "fla refuses it here (fla #640)"
+    assert mamba.kernel_path(Mamba2Config()) == "torch-reference"

@@ -10,7 +10,8 @@ fla can take each kernel's configuration from a JSON file instead (``FLA_CONFIG_
 entries keyed by the autotune key: the key arguments' values and every tensor argument's dtype; the lookup
 ``FLA_CACHE_MODE``). The kit ships such files for the cards it was measured on, ``fla_configs/<GPU name>/``
 (written by ``bench/gla_startup.py export`` from a run's Triton autotune cache: the configuration Triton picked,
-with its timing), and turns fla's lookup on in ``strict`` mode: a kernel whose exact key is in its file compiles
+with its timing), gives every fla autotuner the lookup (``route_autotuners_through_lookup``: fla builds most of
+its kernels with Triton's plain autotuner, which has none) and turns it on in ``strict`` mode: a kernel whose exact key is in its file compiles
 that one configuration; any other shape, dtype or card autotunes as before, once per machine. The start-up
 self-check still measures the kernels that run. ``FLA_CONFIG_DIR`` or ``FLA_CACHE_MODE`` set by the user are
 left alone (``FLA_CACHE_MODE=disabled`` autotunes everything, as before).
@@ -45,6 +46,7 @@ def use_tuned_configs() -> Path | None:
     folder = config_dir(cache.get_gpu_info())
     if not folder.is_dir():
         return None
+    routed = route_autotuners_through_lookup(cache.CachedAutotuner)
     # fla reads FLA_CONFIG_DIR at every lookup, and its mode from a module global it sets at import.
     os.environ["FLA_CONFIG_DIR"] = str(folder)
     # the variable for child processes (data workers), which read it when they import fla
@@ -53,11 +55,39 @@ def use_tuned_configs() -> Path | None:
     if str(folder) not in _ANNOUNCED:
         _ANNOUNCED.add(str(folder))
         print(
-            f"fla: tuned Triton configurations for {folder.name} ({len(list(folder.glob('*.json')))} kernels); "
-            "shapes not among them autotune once per machine",
+            f"fla: tuned Triton configurations for {folder.name} ({len(list(folder.glob('*.json')))} kernels, "
+            f"lookup on for {routed} autotuners); shapes not among them autotune once per machine",
             flush=True,
         )
     return folder
+
+
+def route_autotuners_through_lookup(cached_class) -> int:
+    """Give every plain Triton autotuner of fla's loaded kernels fla's config lookup; how many have it now.
+
+    fla builds 27 of its kernel files with its own ``fla_cache_autotune`` (the lookup) and the rest, among them
+    the chunk state kernels, the fused recurrence, the norms and SwiGLU that GLA runs, with ``triton.autotune``;
+    fla's ``configure_fla_cache_autotune()`` would fix that only before its kernels are decorated, and importing
+    it imports them all. fla's ``CachedAutotuner`` is Triton's ``Autotuner`` plus a ``run`` that looks the key up
+    first (and the kernel's name), so a class swap gives an already built autotuner the same lookup."""
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
+
+    routed = set()
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "fla" or name.startswith("fla.")):
+            continue
+        for value in list(vars(module).values()):
+            while isinstance(value, KernelInterface):  # heuristics -> autotuner -> jit, in either order
+                if type(value) is Autotuner:
+                    value.__class__ = cached_class
+                    value.kernel_name = value.base_fn.__name__
+                if isinstance(value, cached_class):
+                    routed.add(id(value))
+                value = getattr(value, "fn", None)
+    return len(routed)
 
 
 def _applied_folder() -> Path | None:

@@ -8,11 +8,12 @@ are compared with the reference in fp32 on the same rounded inputs (trainer/kern
 
 - ``chunk_gla`` (the layer's op on rows over 64 tokens): two documents through ``cu_seqlens`` as packed
   training rows are, each over one 64-token chunk, so the state passed between chunks and the varlen
-  boundary are both exercised; against ``naive_gla`` (fla's ``naive_recurrent_gla``);
-- ``chunk_gla_rows``: the same op on two equal-length rows without ``cu_seqlens``, as unpadded batches
-  reach it: Triton compiles that variant separately, while fla's autotuner keys its cached configuration on
-  the head sizes and dtypes both share, so a configuration picked here is then checked in both binaries
-  (on an H100 the fp32 chunk kernels' error moved with the configuration autotuning picked: bench/RESULTS.md);
+  boundary are both exercised; against ``naive_gla`` (fla's ``naive_recurrent_gla``).
+  Only that variant: the kit's GLA forward always passes ``cu_seqlens`` (packed rows) or an attention mask,
+  which fla unpads into ``cu_seqlens`` (``gla.model_inputs``), so training never calls chunk_gla on plain
+  rows. (The check once ran that variant too; its autotune key differs from the varlen one, every tensor
+  argument's dtype being part of it, so it tuned and checked a configuration training never used, and cost
+  a fresh H100 over three minutes of autotuning at start-up: bench/RESULTS.md, issue 30.)
 - ``fused_recurrent_gla`` (what the layer calls on rows of 64 tokens or fewer): the same, shorter;
 - fla's fused ``RMSNorm`` (with the residual add the blocks use) and ``FusedRMSNormGated`` (the output
   norm and swish gate), when ``fuse_norm`` is on; fla's fused ``swiglu_linear`` when ``fuse_swiglu`` is
@@ -33,7 +34,6 @@ from trainer.families.gla_reference import naive_gla, torch_rms_norm
 from trainer.kernelcheck import compare, random_leaves
 
 CHUNK_TOKENS = (90, 70)  # two documents, each longer than chunk_gla's 64-token chunk
-ROW_TOKENS = 80  # two equal-length rows of this many tokens, no cu_seqlens
 RECURRENT_TOKENS = (40, 24)  # rows of 64 tokens or fewer go through fused_recurrent_gla
 NORM_TOKENS = 48
 GATE_NORMALIZER = 16  # fla's gate_logit_normalizer: gates are logsigmoid(x) / 16
@@ -140,10 +140,6 @@ def checks(hf_config) -> dict:
         found["chunk_gla"] = functools.partial(
             check_gla_op, op_name="chunk_gla", heads=heads, key=key, value=value
         )
-        found["chunk_gla_rows"] = functools.partial(
-            check_gla_op, op_name="chunk_gla", heads=heads, key=key, value=value,
-            tokens=(ROW_TOKENS, ROW_TOKENS), varlen=False,
-        )  # fmt: skip
     found["fused_recurrent_gla"] = functools.partial(
         check_gla_op,
         op_name="fused_recurrent_gla",

@@ -80,6 +80,25 @@ def _fla_usable() -> bool:
     return all(hasattr(modeling_mamba2, name) and name in called for name in FLA_SWAPPED)
 
 
+def _fla_refuses_gated_backward() -> str | None:
+    """fla's own refusal of the SSD scan's backward on this GPU, or None.
+
+    fla raises in its gated ``chunk_bwd_dqkwg`` on Hopper with triton >= 3.4, < 3.7.1 (a miscompile, fla #640),
+    the kernel the SSD scan's backward needs. Its tilelang backend is no way round it for Mamba-2: it takes
+    only h in q's dtype, and simple GLA keeps h in fp32. Reading fla's own flags skips a self-check that could
+    only fail after compiling (107 s on a fresh H100 with triton 3.6)."""
+    try:
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+    except Exception:  # noqa: BLE001 - another fla: its kernels' self-check decides
+        return None
+    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1:
+        return (
+            "fla refuses the SSD scan's gated backward on Hopper with triton >= 3.4, < 3.7.1 (fla #640); "
+            "a torch whose triton is 3.7.1 or later lifts it"
+        )
+    return None
+
+
 def _mambapy_trains() -> bool:
     """Whether this transformers' Mamba-1 mixer trains through mambapy (where mamba_ssm does not run).
 
@@ -111,7 +130,9 @@ def kernel_paths(hf_config) -> dict[str, str | None]:
     }
     if hf_config.model_type == "mamba2":
         paths[KERNEL_FLA] = (
-            None if cuda and _fla_usable() else "needs a CUDA GPU with flash-linear-attention and triton"
+            _fla_refuses_gated_backward()
+            if cuda and _fla_usable()
+            else "needs a CUDA GPU with flash-linear-attention and triton"
         )
     else:
         paths[KERNEL_MAMBAPY] = (
