@@ -8,11 +8,9 @@ response into the loss, chat records only the assistant's turns.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
-import torch
 
+from trainer.data.batches import collate, epoch_order
 from trainer.data.prepare import DataReport, PreparedData, prepare_data
 from trainer.data.records import DataError
 from trainer.data.rows import IGNORE, Sequence
@@ -59,38 +57,3 @@ def pack(pieces: list[tuple[list[int], list[int]]], max_length: int, pad_id: int
     if not pieces:
         return []
     return packer.close()
-
-
-def _long(values) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(values, dtype=np.int64))
-
-
-def collate(rows: list[Sequence], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest row; an attention mask only when there is padding to hide."""
-    width = max(len(r.input_ids) for r in rows)
-    needs_mask = any(len(r.input_ids) < width for r in rows)
-    batch = {
-        "input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long),
-        "labels": torch.full((len(rows), width), IGNORE, dtype=torch.long),
-        "position_ids": torch.zeros((len(rows), width), dtype=torch.long),
-        "token_mask": torch.zeros((len(rows), width), dtype=torch.bool),
-    }
-    for i, row in enumerate(rows):
-        n = len(row.input_ids)
-        batch["input_ids"][i, :n] = _long(row.input_ids)
-        batch["labels"][i, :n] = _long(row.labels)
-        batch["position_ids"][i, :n] = _long(row.position_ids)
-        batch["token_mask"][i, :n] = True
-    if needs_mask:
-        batch["attention_mask"] = batch["token_mask"].long()
-    return batch
-
-
-@functools.lru_cache(maxsize=2)
-def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    """The row order for one epoch; a pure function of (seed, epoch) so a resume can replay it. Kept as one
-    array per epoch (8 bytes a row), since every step reads a slice of it."""
-    generator = torch.Generator().manual_seed(seed * 1000003 + epoch)
-    order = torch.randperm(num_rows, generator=generator).numpy()
-    order.flags.writeable = False
-    return order

@@ -1,7 +1,7 @@
 """The output head of a causal LM, as the losses see it: which models' logits are exactly ``lm_head(hidden)``,
 the head itself, and running the model with the head bypassed so its ``.logits`` are the hidden states.
 
-Shared by the reference path's chunked cross-entropy (trainer/training/chunked_loss.py) and the CUDA fast
+Shared by the reference path's chunked cross-entropy (trainer/model/chunked_loss.py) and the CUDA fast
 path's fused linear cross-entropy (trainer/fastpath), which both run the head themselves.
 """
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.data.dataset import IGNORE
+from trainer.data.rows import IGNORE
 from trainer.families.head import (  # noqa: F401 - the loss's view of the model, shared with trainer/fastpath
     PLAIN_HEAD_MODEL_TYPES,
     head_bypassed,

@@ -23,7 +23,7 @@ from trainer.fastpath import attention as fast_attention
 from trainer.model import kernel_choice
 from trainer.model.sharded_loading import ShardedLoad
 from trainer.moe_quant import QuantizedExpertWeights, quantize_fused_experts
-from trainer.training import chunked_loss
+from trainer.model import chunked_loss
 
 log = logging.getLogger(__name__)
 

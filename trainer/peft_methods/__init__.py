@@ -127,8 +127,7 @@ def prepare(loaded, cfg, data, pad_id: int, loss_fn, accelerator, output_dir: Pa
 
 def first_batches(cfg, rows, pad_id: int) -> list[dict]:
     """``lora.lora_ga_batches`` micro-batches of the run's first epoch order (rows reused if too few)."""
-    from trainer.data.dataset import epoch_order
-    from trainer.training.step import StepShape, micro_batches
+    from trainer.data.batches import StepShape, epoch_order, micro_batches
 
     micro = cfg.training.micro_batch_size
     wanted = micro * cfg.lora.lora_ga_batches
@@ -203,7 +202,7 @@ def stage_one_rows(loaded, cfg, data):
 
 def stage_one_batches(cfg, rows, pad_id: int):
     """Step i of stage one takes the training shape's rows in the epoch order of ``rows`` (one process)."""
-    from trainer.training.step import Position, StepShape, micro_batches, next_step_rows
+    from trainer.data.batches import Position, StepShape, micro_batches, next_step_rows
 
     shape = StepShape(cfg.training.micro_batch_size, cfg.training.gradient_accumulation_steps)
     per_step = min(shape.micro * shape.accum, len(rows))

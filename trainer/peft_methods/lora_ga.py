@@ -90,7 +90,7 @@ def estimate_gradients(
 
     Nothing else gets a gradient: every parameter is frozen meanwhile and the embeddings' output is
     made to require one, so backward runs through the model and only the hooks collect."""
-    from trainer.training.step import count_targets
+    from trainer.data.batches import count_targets
 
     grads = {
         n: torch.zeros(m.out_features, m.in_features, dtype=torch.float32, device=_device(m))
@@ -310,7 +310,7 @@ def step0_tolerance(loss: float) -> float:
 
 @torch.no_grad()
 def _loss(model, batch, loss_fn, accelerator) -> float:
-    from trainer.training.step import count_targets
+    from trainer.data.batches import count_targets
 
     was_training = model.training
     model.eval()

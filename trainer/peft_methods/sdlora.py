@@ -258,7 +258,7 @@ def run_stage_one(model, base_model, model_type, params, batches_for_step, loss_
     """Train the SSM tensors in full and LoRA for the configured steps, choose, then put every weight back.
 
     ``batches_for_step(i)`` gives step i's collated micro-batches. Returns the selection and a summary."""
-    from trainer.training.step import count_targets
+    from trainer.data.batches import count_targets
 
     found = targets(base_model, model_type, params)
     ssm = {t.name: resolve(base_model, t.name) for t in found}

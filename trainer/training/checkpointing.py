@@ -18,7 +18,7 @@ from trainer.training import fsdp
 from trainer.training.evaluation import best_is, metric_value
 from trainer.training.faults import NO_FAULTS, Faults
 from trainer.training.optim import repage_state
-from trainer.training.step import Position, StepShape
+from trainer.data.batches import Position, StepShape
 
 
 @dataclass

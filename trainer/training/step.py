@@ -15,7 +15,6 @@ keeps); a CUDA path (fused kernels, fused LoRA autograd, fused linear cross-entr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,73 +22,17 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from trainer.data.dataset import IGNORE, Sequence, collate, epoch_order
-from trainer.training import chunked_loss, fsdp
-
-# ---------------------------------------------------------------- rows and micro-batches
-
-
-@dataclass
-class Position:
-    """Where the loop is in the data: epoch and rows consumed within it (global, all ranks)."""
-
-    epoch: int = 0
-    row: int = 0
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """How one optimizer step's rows are fed: micro-batch size, accumulation, optional row split length."""
-
-    micro: int
-    accum: int
-    split_length: int | None = None
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def next_step_rows(
-    train_rows: int, rows_per_step: int, seed: int, pos: Position
-) -> tuple[list[int], Position]:
-    """Row ids for the next optimizer step; a partial remainder at an epoch's end is dropped."""
-    if pos.row + rows_per_step > train_rows:
-        pos = Position(pos.epoch + 1, 0)
-    order = epoch_order(train_rows, seed, pos.epoch)
-    return order[pos.row : pos.row + rows_per_step].tolist(), Position(pos.epoch, pos.row + rows_per_step)
-
-
-def split_rows(rows: list[Sequence], length: int | None) -> list[Sequence]:
-    """Cut each row into pieces of at most ``length`` tokens; every token stays in some piece."""
-    if length is None:
-        return rows
-    pieces = []
-    for row in rows:
-        for start in range(0, len(row.input_ids), length):
-            end = start + length
-            pieces.append(
-                Sequence(row.input_ids[start:end], row.labels[start:end], row.position_ids[start:end])
-            )
-    return pieces
-
-
-def micro_batches(
-    rows: list[int], data: list[Sequence], shape: StepShape, world: int, rank: int, pad_id: int
-) -> list[dict]:
-    """This rank's micro-batches of one optimizer step: micro-batch k of rank r takes the k*world+r-th slice.
-
-    After an OOM at micro-batch 1, rows are split into shorter pieces, fed one piece per micro-batch."""
-    slices = [rows[i : i + shape.micro] for i in range(0, len(rows), shape.micro)]
-    mine = [[data[j] for j in s] for s in slices[rank::world]]
-    if shape.split_length is not None:
-        mine = [[piece] for group in mine for piece in split_rows(group, shape.split_length)]
-    return [collate(group, pad_id) for group in mine]
-
-
-def count_targets(batch: dict) -> int:
-    """Tokens that carry a next-token label (prompt and padding excluded): the loss's denominator."""
-    return int((batch["labels"][:, 1:] != IGNORE).sum())
-
+from trainer.data.batches import (  # noqa: F401 - the step's rows; tests and the loop import them from here
+    Position,
+    StepShape,
+    count_targets,
+    micro_batches,
+    next_step_rows,
+    split_rows,
+)
+from trainer.data.rows import IGNORE, Sequence
+from trainer.model import chunked_loss
+from trainer.training import fsdp
 
 # ---------------------------------------------------------------- the loss of one micro-batch
 
@@ -130,7 +73,7 @@ class FullCrossEntropy:
 class HeadLoss:
     """The output head bypassed in the forward, then ``head_loss(head, hidden, labels)`` on the final hidden
     states, so the full fp32 logits never exist: ``chunked_loss.chunked_cross_entropy`` (memory.chunked_loss,
-    trainer/training/chunked_loss.py) or the CUDA fast path's fused linear cross-entropy (trainer/fastpath)."""
+    trainer/model/chunked_loss.py) or the CUDA fast path's fused linear cross-entropy (trainer/fastpath)."""
 
     model_inputs: Callable[[dict], dict]
     head_loss: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = (
