@@ -47,7 +47,7 @@ def run(args) -> int:
         return EXIT_BAD_INPUT
     r = prepared.report
     print(
-        f"data cache {r.fingerprint} {'reused' if r.cache_hit else 'built'} in {r.prepare_seconds:.1f} s: "
+        f"data cache {r.fingerprint} {'reused' if r.cache_hit else 'built'} in {r.prepare_seconds:.2f} s: "
         f"{r.train_sequences:,} train / {r.val_sequences:,} val rows of {config.data.max_length} tokens "
         f"({r.train_tokens:,} train tokens, {r.format} format, {r.skipped_lines} skipped) in {r.cache}"
     )
