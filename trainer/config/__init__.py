@@ -1,12 +1,15 @@
 """Typed configuration, validated before any model loads: ``from trainer.config import Config, load_config``.
 
 - ``sections``: one pydantic dataclass per section (paths, model, data, training, optimization, lora,
-  quantization, eval, logging, memory, performance, notify): keys, types, defaults, bounds, rules.
+  quantization, eval, logging, memory, fsdp, performance, notify): keys, types, defaults, bounds, rules,
+  and each key's docstring.
 - ``load``: YAML plus ``--set section.key=value`` overrides, files checked, a run's ``config.yaml`` read back.
 - ``errors``: pydantic's errors as one line per problem, with the nearest valid key ("did you mean").
 - ``yamlfile``: YAML with the line of every key, shared with the sweep file.
+- ``reference``: docs/config-reference.md, every key, generated from ``sections`` (``python -m
+  trainer.config.reference``).
 
-Everything a caller needs is importable from here; docs/config.md lists every key.
+Everything a caller needs is importable from here; docs/config-reference.md lists every key.
 """
 
 from trainer.config.errors import ConfigError

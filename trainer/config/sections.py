@@ -2,8 +2,10 @@
 
 These types are the whole validation of values (``trainer.config.load`` reads the YAML, applies
 ``--set`` overrides and checks the files), and ``dataclasses.replace``/``asdict`` keep working on them.
-A broken rule becomes a ``ConfigError`` line worded by trainer/config/errors.py; docs/config.md lists
-every key.
+A broken rule becomes a ``ConfigError`` line worded by trainer/config/errors.py. Each key's docstring
+is its one-line description: docs/config-reference.md lists every key, generated from these classes by
+``python -m trainer.config.reference`` (tests/config/test_reference.py fails when one lacks a docstring or
+the page is stale).
 """
 
 from __future__ import annotations
@@ -52,84 +54,142 @@ def rule(message: str, key: str = "", *blame: str) -> PydanticCustomError:
     return PydanticCustomError("config_rule", "{message}", {"message": message, "key": key, "blame": blame})
 
 
-SECTION = ConfigDict(extra="forbid")
+# Attribute docstrings become each key's ``description`` (the generated docs/config-reference.md).
+SECTION = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 @dataclass(config=SECTION)
 class PathsConfig:
+    """Where the run writes, what it trains on, where models download to."""
+
     output_dir: Str = "runs/default"
+    """The run folder (logs, checkpoints, run.json: docs/run-folder.md); one holding a checkpoint is resumed."""
     train_file: Str = "data/tiny_corpus.jsonl"
+    """Training data: a file (.jsonl, .json, .tsv, .csv, .parquet, .arrow) or a folder of them (docs/data.md);
+    not read when data.dataset is set."""
     val_file: Str | None = None
+    """Validation data, read like train_file (with data.dataset, data.val_split comes first); null:
+    data.val_fraction of the training records."""
     cache_dir: Str | None = None
+    """Where the model and tokenizer download to (transformers' cache_dir); null: Hugging Face's default
+    (HF_HOME). The data cache is data.cache_dir."""
 
 
 @dataclass(config=SECTION)
 class ModelConfig:
+    """The base model: where it comes from and how it loads (docs/families.md)."""
+
     name_or_path: Str = "configs/tiny-moe"
+    """A Hugging Face Hub id, or a local folder with config.json (and the weights, unless random_init)."""
     family: Literal["auto", "causal", "gla", "mamba"] = "auto"
+    """auto: picked from the checkpoint's model_type (its config.json); causal, gla or mamba forces one."""
     random_init: Bool = False
+    """Build the model from its config.json with random weights instead of loading weights (the tiny examples)."""
     tokenizer: Str | None = None
+    """Where the tokenizer is (a Hub id or a folder); null: name_or_path."""
     revision: Str | None = None
+    """The Hub revision (branch, tag or commit) of the model and tokenizer; null: the default branch."""
     trust_remote_code: Bool = False
+    """Let transformers run Python code that ships with the model's repository."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """The dtype the weights load in; auto: bf16 on a GPU that supports it, else fp32."""
     attn_implementation: Str | None = None
-    # The implementation that runs the sequence mixing (trainer/model/kernel_choice.py): auto takes the best
-    # one that runs here and passes its start-up self-check; a name forces it (and a failed check stops the
-    # run). Each family has its own names (their kernel_paths): causal transformers; GLA fla-triton,
-    # fla-naive-torch; Mamba mamba_ssm, fla-triton-ssd (Mamba-2), mambapy (Mamba-1), torch-reference.
+    """transformers' attention kernel (sdpa, eager, flex_attention, flash_attention_2); null: transformers'
+    default, sdpa on the CUDA fast path (docs/data.md)."""
     kernel_path: Literal[
         "auto", "transformers", "fla-triton", "fla-naive-torch", "mamba_ssm", "fla-triton-ssd", "mambapy",
         "torch-reference",
     ] = "auto"  # fmt: skip
+    """The implementation that runs the sequence mixing (trainer/model/kernel_choice.py): auto takes the best
+    one that runs here and passes its start-up self-check; a name forces it (and a failed check stops the
+    run). Each family has its own: causal transformers; GLA fla-triton, fla-naive-torch; Mamba mamba_ssm,
+    fla-triton-ssd (Mamba-2), mambapy (Mamba-1), torch-reference."""
 
 
 @dataclass(config=SECTION)
 class DataConfig:
-    # auto: chat when the first record has messages_field (or ShareGPT's "conversations"), instruction when
-    # it has prompt_field and response_field, text otherwise.
+    """What the records are and how they become rows of tokens in the data cache (docs/data.md)."""
+
     format: Literal["auto", "text", "instruction", "chat"] = "auto"
+    """auto: chat when the first record has messages_field (or ShareGPT's "conversations"), instruction when
+    it has prompt_field and response_field, text otherwise."""
     text_field: Str = "text"
+    """text records: the field holding the text (every token learned)."""
     prompt_field: Str = "prompt"
+    """instruction records: the prompt's field (not learned)."""
     response_field: Str = "response"
-    # chat: a list of {"role", "content"} turns (ShareGPT's {"from", "value"} are mapped), rendered with the
-    # tokenizer's chat template (chat_template overrides it: a Jinja string or a file); loss on assistant turns.
+    """instruction records: the response's field (learned)."""
     messages_field: Str = "messages"
-    system_prompt: Str | None = None  # chat: a system turn for records that have none
+    """chat records: a list of {"role", "content"} turns (ShareGPT's {"from", "value"} are mapped), rendered with
+    the chat template; loss on the assistant turns only."""
+    system_prompt: Str | None = None
+    """chat: a system turn for conversations that have none."""
     chat_template: Str | None = None
-    # A Hugging Face dataset instead of paths.train_file: a Hub id or a local folder load_dataset reads
-    # (offline once cached), with its config name, split, revision; val_split names the validation split.
+    """chat: a Jinja template (the text, or a file) instead of the tokenizer's; null: the tokenizer's, else
+    ChatML."""
     dataset: Str | None = None
+    """A Hugging Face dataset instead of paths.train_file: a Hub id or a local folder load_dataset reads
+    (offline once cached)."""
     dataset_config: Str | None = None
+    """data.dataset's config name."""
     dataset_split: Str = "train"
+    """data.dataset's split that trains."""
     dataset_revision: Str | None = None
+    """data.dataset's revision (branch, tag or commit); null: the default branch."""
     val_split: Str | None = None
-    # Where tokenized, packed rows are cached (one folder per fingerprint); null: ~/.cache/finetune-kit/data
-    # (or $FINETUNE_KIT_DATA_CACHE). `python -m trainer cache list|clear` shows and removes them.
+    """data.dataset's split that validates; null: paths.val_file, else val_fraction of the training split."""
     cache_dir: Str | None = None
+    """Where tokenized, packed rows are cached (one folder per fingerprint); null: $FINETUNE_KIT_DATA_CACHE,
+    else ~/.cache/finetune-kit/data. `python -m trainer cache list|clear` shows and removes them."""
     max_length: Int = limit(256, ge=8)
+    """Tokens per row; a longer document is split or truncated (long_documents)."""
     packing: Bool = True
+    """Pack several documents into each row of max_length tokens, kept apart by position ids that restart
+    (where the family allows it: Mamba does not pack); false: one document a row."""
     long_documents: Literal["split", "truncate"] = "split"
+    """A document longer than max_length: split into pieces (nothing lost) or truncate (the rest dropped)."""
     val_fraction: Float = limit(0.05, ge=0, lt=1)
+    """Share of the records that validate when neither paths.val_file nor val_split is set (at least one
+    record; 0: no validation)."""
     seed: Int = 42
+    """Seed of the shuffle that picks the validation records."""
     on_bad_line: Literal["skip", "fail"] = "skip"
+    """A malformed line or record: skip it (counted, the first five reported with file:line) or fail."""
     add_eos: Bool = True
+    """text and instruction records end with the tokenizer's EOS token (chat ends as its template renders)."""
 
 
 @dataclass(config=SECTION)
 class TrainingConfig:
+    """What trains, for how long, in what batches; checkpoints, resume and how the processes share the work."""
+
     method: Literal["qlora", "lora", "full"] = "lora"
+    """qlora: LoRA adapters on a 4-bit base (the quantization section); lora: adapters on the base as loaded;
+    full: every weight trains."""
     max_steps: Int = limit(0, ge=0, note="0 = use num_epochs")
+    """Optimizer steps to train; 0: num_epochs decides."""
     num_epochs: Float = 1.0
+    """Passes over the training rows (fractions allowed), used when max_steps is 0."""
     micro_batch_size: Int = limit(8, gt=0)
+    """Rows per process in one forward and backward."""
     gradient_accumulation_steps: Int = limit(1, gt=0)
+    """Micro-batches per optimizer step; the loss is normalised by the target tokens of all of them, across
+    processes."""
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """accelerate's autocast: no, bf16, or fp16 (with loss scaling)."""
     seed: Int = 42
+    """Seed of the weights' initialisation (random_init, adapters), dropout, and the order of rows in each
+    epoch."""
     save_steps: Int = limit(50, gt=0)
+    """A checkpoint every this many optimizer steps (and one at the end, and on SIGTERM/SIGINT)."""
     keep_top_k: Int = limit(2, ge=1)
+    """Periodic checkpoints kept: the best keep_top_k by eval.metric_for_best, plus the latest."""
     resume: Literal["auto", "never"] = "auto"
-    # ddp: every process holds the whole model. fsdp: parameters, gradients and optimizer state are sharded
-    # across the processes (PyTorch FSDP2 through accelerate; the fsdp section; docs/fsdp.md).
+    """auto: continue from the latest complete checkpoint in paths.output_dir; never: start at step 0 even
+    when one exists (--resume and --resume_from still resume)."""
     distributed: Literal["ddp", "fsdp"] = "ddp"
+    """ddp: every process holds the whole model. fsdp: parameters, gradients and optimizer state are sharded
+    across the processes (PyTorch FSDP2 through accelerate; the fsdp section; docs/fsdp.md)."""
 
     @model_validator(mode="after")
     def _steps_or_epochs(self) -> TrainingConfig:
@@ -140,18 +200,34 @@ class TrainingConfig:
 
 @dataclass(config=SECTION)
 class OptimizationConfig:
+    """The optimizer and the learning-rate schedule."""
+
     optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = "adamw"
+    """adamw: torch's AdamW (fused on CUDA); the others are bitsandbytes' AdamW with 8-bit or paged state (CUDA
+    only)."""
     learning_rate: Float = limit(2e-4, gt=0)
+    """The peak learning rate, reached at the end of warmup."""
     weight_decay: Float = limit(0.0, ge=0)
+    """AdamW's decoupled weight decay, on weights of two or more dimensions (not biases and norms)."""
     adam_beta1: Float = 0.9
+    """AdamW's beta1 (decay of the gradient's running mean)."""
     adam_beta2: Float = 0.999
+    """AdamW's beta2 (decay of the squared gradient's running mean)."""
     adam_epsilon: Float = 1e-8
+    """AdamW's epsilon, added to the denominator."""
     max_grad_norm: Float = limit(1.0, ge=0, note="0 disables")
+    """Clip the gradient norm to this before each step; 0: no clipping."""
     lr_scheduler: Literal["constant", "linear", "cosine", "polynomial"] = "cosine"
+    """After warmup: constant, linear decay to 0, cosine decay (to min_lr_ratio), or polynomial decay with
+    polynomial_power (to min_lr_ratio)."""
     warmup_ratio: Float = limit(0.0, ge=0, lt=1)
+    """Share of the total steps that warm the learning rate up linearly from 0 (when warmup_steps is 0)."""
     warmup_steps: Int = limit(0, ge=0)
+    """Warmup steps; above 0 it replaces warmup_ratio."""
     polynomial_power: Float = 1.0
+    """The polynomial schedule's power."""
     min_lr_ratio: Float = limit(0.0, ge=0, le=1)
+    """The learning rate the cosine and polynomial schedules end at, as a fraction of learning_rate."""
 
 
 LORA_INITS = ("default", "gaussian", "pissa", "olora", "loftq", "lora_ga")
@@ -159,28 +235,42 @@ LORA_INITS = ("default", "gaussian", "pissa", "olora", "loftq", "lora_ga")
 
 @dataclass(config=SECTION)
 class LoraConfig:
+    """LoRA adapters (training.method lora and qlora), and the LoRA-GA and SDLoRA methods (docs/families.md)."""
+
     r: Int = limit(16, gt=0, what="a rank")
+    """The adapters' rank."""
     alpha: Int = limit(32, gt=0)
+    """Scale of the adapters' update: alpha / r (alpha / sqrt(r) with variant rslora)."""
     dropout: Float = limit(0.05, ge=0, lt=1)
+    """Dropout on the adapters' input."""
     target_modules: list[Str] | Str | None = None
+    """Modules that get adapters: a list of names, or one PEFT pattern (e.g. all-linear); null: the family's
+    defaults."""
     target_parameters: list[Str] | None = None
+    """Parameters that get LoRA directly (PEFT's target_parameters): MoE models' fused 3-D expert weights."""
     variant: Literal["lora", "dora", "rslora"] = "lora"
+    """lora, dora (weight-decomposed) or rslora (rank-stabilised scale)."""
     init: Str = "default"
+    """How adapters start: default, gaussian, pissa, pissa_niter_N, olora, loftq, or lora_ga (LoRA-GA)."""
     bias: Literal["none", "all", "lora_only"] = "none"
-    # lora: adapters only. sdlora (Mamba): adapters plus a selected few SSM channels/states (docs/families.md).
+    """Which biases train: none, all, or those of the adapted modules (lora_only)."""
     method: Literal["lora", "sdlora"] = "lora"
-    # LoRA-GA (init: lora_ga): micro-batches of the training data whose accumulated gradient is factorised,
-    # and the paper's stable-scale gamma.
+    """lora: adapters only. sdlora (Mamba): adapters plus a selected few SSM channels/states."""
     lora_ga_batches: Int = limit(8, gt=0)
+    """LoRA-GA: micro-batches of training data whose accumulated gradient is factorised."""
     lora_ga_gamma: Float = limit(16.0, gt=0)
-    # SDLoRA: fractions of SSM channels, and of states per selected channel, that train in stage two;
-    # stage one's optimizer steps and its data (null: the training file); the SSM parameters (null: the
-    # model type's default).
+    """LoRA-GA: the paper's stable-scale gamma."""
     sdlora_channels: Float = limit(0.01, gt=0, le=1, what="a fraction")
+    """SDLoRA: the fraction of each layer's SSM channels that train in stage two."""
     sdlora_states: Float = limit(0.05, gt=0, le=1, what="a fraction")
+    """SDLoRA: the fraction of states, per selected channel, that train in stage two."""
     sdlora_stage_one_steps: Int = limit(20, gt=0)
+    """SDLoRA: optimizer steps of stage one, which picks the channels and states."""
     sdlora_stage_one_file: Str | None = None
+    """SDLoRA: stage one's data, read like paths.train_file; null: the training rows."""
     sdlora_params: list[Literal["A_log", "BC", "D", "dt", "conv"]] | None = None
+    """SDLoRA: the SSM tensors whose selected entries train; null: the model type's default (Mamba-1 A_log,
+    BC; Mamba-2 A_log, D, dt, conv)."""
 
     @field_validator("init")
     @classmethod
@@ -216,37 +306,59 @@ class LoraConfig:
 
 @dataclass(config=SECTION)
 class QuantizationConfig:
+    """The 4-bit base of training.method qlora (bitsandbytes)."""
+
     quant_type: Literal["nf4", "fp4"] = "nf4"
+    """The 4-bit data type: nf4 (NormalFloat) or fp4."""
     double_quant: Bool = True
+    """Quantize the quantization constants too (bitsandbytes' double quantization)."""
     compute_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """The dtype 4-bit weights are dequantized to for their matmuls."""
     skip_modules: list[Str] = Field(default_factory=lambda: ["lm_head"])
-    # Fused 3-D MoE expert weights escape bitsandbytes' Linear replacement; quantize them too.
+    """Modules that stay unquantized, besides the family's own."""
     quantize_experts: Bool = True
+    """Fused 3-D MoE expert weights escape bitsandbytes' Linear replacement; quantize them too."""
 
 
 @dataclass(config=SECTION)
 class EvalConfig:
+    """Evaluation: validation loss, task metrics by generation, the metric that picks the best (docs/tasks.md)."""
+
     interval: Int = limit(50, gt=0)
+    """Evaluate every this many optimizer steps."""
     batch_size: Int = limit(8, gt=0)
+    """Validation rows per batch (halved on an out-of-memory error, in a one-process run)."""
     max_batches: Int = 0
+    """Validation batches per evaluation; 0: all."""
     at_start: Bool = False
+    """Also evaluate before the first step."""
     at_end: Bool = True
-    # auto: the task's official metric when eval.task is set, else eval_loss. greater_is_better unset
-    # (null) follows the metric: lower for losses, higher otherwise.
+    """Also evaluate after the last step."""
     metric_for_best: Str = "auto"
+    """The metric that ranks evaluations (the best checkpoint, keep_top_k): eval_loss or a task metric; auto:
+    the task's official metric when eval.task is set, else eval_loss."""
     greater_is_better: Bool | None = None
-    # Generation-based evaluation on a task (trainer/tasks): glue names, or spider.
+    """Direction of metric_for_best; null: follows the metric (lower for losses, higher otherwise)."""
     task: Str | None = None
+    """Generation-based evaluation on a task (trainer/tasks): a GLUE task's name, or spider; null: none."""
     task_data_dir: Str | None = None
+    """The task's data folder (GLUE: download_glue_data.py's; null reads the Hub); spider requires one."""
     task_split: Str = "validation"
+    """The task's split that is evaluated."""
     task_max_examples: Int = 0
+    """The task's examples evaluated (the first ones); 0: all."""
     max_new_tokens: Int | None = limit(None, gt=0)
+    """Tokens generated at most per answer; null: the task's own."""
     min_new_tokens: Int = 0
+    """Tokens generated at least per answer."""
     num_beams: Int = limit(1, ge=1)
+    """Beam search width; 1: greedy decoding."""
     generation_batch_size: Int = limit(8, gt=0)
+    """Prompts per generate() call (left-padded)."""
     max_total_length: Int | None = None
-    # Wall-clock limit for executing one SQL query (text-to-SQL execution match).
+    """Limit on prompt plus answer tokens, below the model's position limit; null: that limit alone."""
     sql_timeout_s: Float = limit(5.0, gt=0, allow_inf_nan=False, note="seconds")
+    """Wall-clock limit for executing one SQL query (text-to-SQL execution match)."""
 
     @field_validator("task")
     @classmethod
@@ -270,68 +382,99 @@ class EvalConfig:
 
 @dataclass(config=SECTION)
 class LoggingConfig:
+    """How often the run folder's logs are written (docs/run-folder.md), the progress bar, trackers."""
+
     interval: Int = limit(1, gt=0)
+    """A training_log.jsonl record every this many optimizer steps."""
     expert_interval: Int = limit(10, gt=0)
+    """MoE router statistics (expert_usage_log.jsonl) every this many optimizer steps."""
     telemetry_interval: Float = limit(10.0, gt=0, note="seconds")
+    """Seconds between GPU/CPU telemetry samples (gpu_log.jsonl)."""
     progress_bar: Bool = True
+    """Show the console progress bar (rank 0)."""
     report_to: list[Str] = Field(default_factory=list)
+    """accelerate trackers that get the metrics too (tensorboard, wandb, mlflow, ...), their files in the run
+    folder's trackers/ (docs/operations.md)."""
 
 
 @dataclass(config=SECTION)
 class MemoryConfig:
+    """What trades speed for memory, and what happens on an out-of-memory error."""
+
     gradient_checkpointing: Bool = False
-    # With checkpointing on the CUDA fast path (LoRA, QLoRA): each layer's input waits in pinned host memory
-    # until its backward, copied on a side stream (trainer/fastpath/offload.py).
+    """Recompute each layer's activations in backward (non-reentrant) instead of keeping them."""
     offload_checkpoints: Bool = True
-    # Cross-entropy in checkpointed chunks of tokens, never the full fp32 logits (plain-head causal LMs).
+    """With checkpointing on the CUDA fast path (LoRA, QLoRA): each layer's input waits in pinned host memory
+    until its backward, copied on a side stream (trainer/fastpath/offload.py)."""
     chunked_loss: Bool = True
+    """Cross-entropy in checkpointed chunks of tokens, never the full fp32 logits (plain-head causal LMs)."""
     oom_fallback: Bool = True
+    """On a CUDA out-of-memory error in a training step, halve the micro-batch and double accumulation (same
+    effective batch) and redo the step. (Evaluation halves its batch on one either way, in a one-process run.)"""
     max_oom_retries: Int = limit(3, ge=0)
+    """Fallbacks tried before the run saves a checkpoint and fails."""
 
 
 @dataclass(config=SECTION)
 class FsdpConfig:
-    """FSDP2 settings, read when training.distributed is fsdp (trainer/training/fsdp.py)."""
+    """FSDP2 settings, read when training.distributed is fsdp (trainer/training/fsdp.py, docs/fsdp.md)."""
 
-    # Free each layer's gathered weights after its forward (gathered again for backward): less memory,
-    # one more all-gather per layer. false keeps them until backward (ZeRO-2-like).
     reshard_after_forward: Bool = True
-    # Sharded parameters, gradients and optimizer state live in host memory; the optimizer steps on the CPU.
+    """Free each layer's gathered weights after its forward (gathered again for backward): less memory, one
+    more all-gather per layer. false keeps them until backward (ZeRO-2-like)."""
     cpu_offload: Bool = False
-    # Recompute each decoder layer in backward, applied by FSDP around the wrapped layers (instead of
-    # memory.gradient_checkpointing, which the model applies itself).
+    """Sharded parameters, gradients and optimizer state live in host memory; the optimizer steps on the CPU."""
     activation_checkpointing: Bool = False
-    # Every rank loads (QLoRA: quantizes) one tensor at a time and keeps only its own shard, so none holds the
-    # whole model (trainer/model/sharded_loading.py): QLoRA, LoRA and full fine-tuning.
+    """Recompute each decoder layer in backward, applied by FSDP around the wrapped layers (instead of
+    memory.gradient_checkpointing, which the model applies itself)."""
     cpu_ram_efficient_loading: Bool = False
-    # The module classes that become one FSDP unit each; null: the model's decoder layer (_no_split_modules).
+    """Every rank loads (QLoRA: quantizes) one tensor at a time and keeps only its own shard, so none holds
+    the whole model (trainer/model/sharded_loading.py): QLoRA, LoRA and full fine-tuning."""
     wrap_classes: list[Str] | None = None
+    """The module classes that become one FSDP unit each; null: the model's decoder layer (_no_split_modules)."""
 
 
 @dataclass(config=SECTION)
 class PerformanceConfig:
+    """Speed: TF32, the CUDA fast path, data preparation's processes, CPU threads."""
+
     tf32: Bool = True
-    # CUDA fast path for causal LMs (trainer/fastpath): auto takes it where it applies, on insists, off never.
+    """Let float32 matmuls use TF32 tensor cores (CUDA)."""
     fast_path: Literal["auto", "on", "off"] = "auto"
-    # Processes that tokenize and pack the data into its cache (once per data, tokenizer and settings);
-    # 0: one per CPU core this process may use, at most 16.
+    """CUDA fast path for causal LMs (trainer/fastpath, docs/fastpath.md): auto takes it where it applies, on
+    insists, off never."""
     data_workers: Int = limit(0, ge=0)
+    """Processes that tokenize and pack the data into its cache (once per data, tokenizer and settings);
+    0: one per CPU core this process may use, at most 16."""
     dataloader_num_workers: Int = limit(0, ge=0, note="the older name of data_workers, used when that is 0")
+    """The older name of data_workers, used when that is 0."""
     pin_memory: Bool = False
+    """accelerate's non_blocking for the data loaders it prepares; the loop prepares none (it copies its
+    batches itself), so this changes nothing today. Old launch scripts' PIN_MEMORY maps here."""
     torch_threads: Int = 0
+    """torch's CPU threads (torch.set_num_threads); 0: torch's default."""
 
 
 @dataclass(config=SECTION)
 class NotifyConfig:
+    """Notifications of a run's start, end and stalls, by webhook and e-mail (docs/operations.md)."""
+
     webhook_url: Str | None = None
+    """A URL that takes each event as a JSON POST (Slack-style text); null: no webhook."""
     email_config: Str | None = None
+    """A file of SMTP settings (YAML or INI) to e-mail each event too; null: no e-mail."""
     events: list[Str] = Field(default_factory=lambda: ["start", "finish", "failure", "interrupt", "stall"])
+    """The events that notify: start, finish, failure, interrupt, stall."""
     stall_minutes: Float = limit(30.0, gt=0)
+    """Minutes without a finished optimizer step before the stall event fires."""
     timeout_seconds: Float = 10.0
+    """The longest the trainer waits for all channels together, per event."""
 
 
 @dataclass(config=SECTION)
 class Config:
+    """The whole config: one section each (the sections' docstrings describe them)."""
+
     paths: PathsConfig = Field(default_factory=PathsConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
