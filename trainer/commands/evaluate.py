@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from trainer.commands import load_config_from_args
+from trainer.runfolder.layout import CONFIG_YAML, TRAINER_STATE
 
 
 def register(subparsers) -> None:
@@ -41,7 +42,7 @@ def run(args) -> int:
         print(f"error: --checkpoint: folder not found: {checkpoint}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.config is None:
-        args.config = str(checkpoint.parent / "config.yaml")
+        args.config = str(checkpoint.parent / CONFIG_YAML)
     for flag, key in (
         ("task", "task"),
         ("task_data_dir", "task_data_dir"),
@@ -93,7 +94,7 @@ def evaluate_checkpoint(cfg, checkpoint: Path, with_loss: bool = True) -> dict:
     from trainer.training.task_eval import evaluate_generation, load_task
 
     accelerator = Accelerator(mixed_precision=cfg.training.mixed_precision)
-    state = read_state(checkpoint) if (checkpoint / "trainer_state.json").is_file() else {"step": None}
+    state = read_state(checkpoint) if (checkpoint / TRAINER_STATE).is_file() else {"step": None}
     info = CheckpointInfo(checkpoint, state.get("step") or 0, state)
     loaded = load_for_training(model_source(cfg, info), accelerator.device)
     kernels = choose_kernels(loaded, cfg, accelerator.device)

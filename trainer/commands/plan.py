@@ -14,9 +14,7 @@ import sys
 from pathlib import Path
 
 from trainer.commands import add_config_arguments, load_config_from_args
-
-PLAN_JSON = "plan.json"
-PLANNED_CONFIG = "planned_config.yaml"
+from trainer.runfolder.layout import PLAN_JSON, PLANNED_CONFIG
 
 
 def add_plan_arguments(parser) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from trainer.commands import add_config_arguments, load_config_from_args
 from trainer.commands.plan import add_plan_arguments
+from trainer.runfolder.layout import PLAN_JSON
 
 
 def register(subparsers) -> None:
@@ -103,7 +104,7 @@ def run(args) -> int:
                 refused = refusal(Path(config.paths.output_dir), "train --auto-plan")
                 print(f"error: {refused} (or drop --auto-plan to resume it)", file=sys.stderr)
                 return EXIT_RUN_EXISTS
-            print(f"auto-plan: resuming with the plan in {Path(config.paths.output_dir) / 'plan.json'}")
+            print(f"auto-plan: resuming with the plan in {Path(config.paths.output_dir) / PLAN_JSON}")
             config = planned
         else:
             config = plan_and_record(config, args)

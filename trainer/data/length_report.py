@@ -30,8 +30,8 @@ from pathlib import Path
 
 from trainer import runfolder
 
-REPORT_JSON = "data_report.json"
-REPORT_MD = "data_report.md"
+REPORT_JSON = runfolder.DATA_REPORT_JSON
+REPORT_MD = runfolder.DATA_REPORT_MD
 STRATEGIES = ("truncate", "token", "paragraph", "sentence")
 HISTOGRAM_BINS = 30
 ENCODE_BATCH = 512

@@ -218,13 +218,13 @@ def stage_one_batches(cfg, rows, pad_id: int):
 def _write_tensors(tensors: dict, path: Path) -> None:
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".tmp-{path.name}")
+    tmp = path.with_name(f"{runfolder.TMP_PREFIX}{path.name}")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
     os.replace(tmp, path)
 
 
 def _write_json(record: dict, path: Path) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")
+    tmp = path.with_name(f"{runfolder.TMP_PREFIX}{path.name}")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)
 

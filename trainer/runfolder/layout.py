@@ -9,8 +9,13 @@ from pathlib import Path
 
 RUN_JSON = "run.json"
 CONFIG_YAML = "config.yaml"
+CONFIG_RESUME = "config-resume-{step}.yaml"  # a resume's config that differs from config.yaml: .format(step=)
 DATA_REPORT_JSON = "data_report.json"  # token-length report (trainer.data.length_report)
+DATA_REPORT_MD = "data_report.md"  # ... the same, to read
 REPORT_DIR = "report"  # end-of-run report (trainer.reports.report)
+PLAN_JSON = "plan.json"  # `plan` / `train --auto-plan`: every candidate measured, and the choice
+PLANNED_CONFIG = "planned_config.yaml"  # `plan`'s config with the choice
+TRACKERS_DIR = "trackers"  # TensorBoard / W&B / MLflow files (logging.report_to)
 LOGS_DIR = "logs"
 TRAINING_LOG = "training_log.jsonl"
 EVAL_LOG = "eval_log.jsonl"
@@ -23,7 +28,9 @@ LOG_FILES = (TRAINING_LOG, EVAL_LOG, EXPERT_LOG, EVENTS_LOG, ERROR_LOG, GPU_LOG)
 CHECKPOINT_PREFIX = "checkpoint-"
 FINAL_PREFIX = "final-checkpoint-"
 BEST_ADAPTER_DIR = "best-adapter"
+TMP_PREFIX = ".tmp-"  # a checkpoint (or best-adapter copy) being written: renamed without it once whole
 TRAINER_STATE = "trainer_state.json"  # inside each checkpoint folder
+TRAINING_STATE_DIR = "training_state"  # ... and accelerate's save_state (optimizer, scheduler, RNG states)
 # LoRA-GA and SDLoRA (trainer/peft_methods): written once at set-up, reused by every resume and restart
 LORA_GA_INIT = "lora_ga_init.safetensors"
 SDLORA_SELECTION = "sdlora_selection.json"

@@ -1,7 +1,7 @@
 """Is the process that writes a run folder still there? One rule for ``list`` and the dashboard.
 
-run.json names the rank-0 ``pid`` and the ``hosts`` the run uses. On the one host that ran it,
-a run that says ``running`` but whose process is gone died without a word (SIGKILL, the OOM
+run.json names the rank-0 ``pid`` and the ``hosts`` the run uses, rank 0's first. On rank 0's host,
+a run that says ``running`` but whose rank-0 process is gone died without a word (SIGKILL, the OOM
 killer, a node reboot): it is ``dead`` at once. From any other host the pid means nothing, so
 only the age of its last record can tell (the dashboard's "stalled"). Standard library only.
 """
@@ -39,12 +39,12 @@ def process_alive(pid) -> bool:
 
 
 def process_gone(info: dict, host: str = HOST) -> bool:
-    """run.json says ``running`` on this host alone, and its pid is no longer a live process here."""
+    """run.json says ``running`` with rank 0 on this host, and its pid is no longer a live process here."""
     hosts = info.get("hosts")
     return (
         info.get("status") == "running"
         and isinstance(hosts, list)
-        and hosts == [host]
+        and hosts[:1] == [host]
         and info.get("pid") is not None
         and not process_alive(info.get("pid"))
     )

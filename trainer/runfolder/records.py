@@ -1,9 +1,12 @@
 """What each log's records hold: one typed builder per record kind, and the JSON line encoding.
 
 Why typed builders: a record's fields are named here once. ``REQUIRED_FIELDS`` (the contract the
-tests check), the dashboard's list of known series and the writers all derive from these classes,
-so a new log field is one edit here (plus its line in docs/run-folder.md).
+tests check), the dashboard's list of known series, the writers (``RunLog.append``) and the field tables
+of docs/run-folder.md (``python -m trainer.runfolder.reference``) all derive from these classes, so a new
+log field is one edit here: the field and, under it, a docstring saying what it holds.
 Fields without a default are always written; optional ones (default None) are left out when None.
+Events (``EVENTS``), run.json and gpu_log.jsonl have no typed builder: their fields are written where they
+arise, and docs/run-folder.md describes them by hand.
 Non-finite floats are written as ``null`` and named in ``nonfinite``, so any JSON parser reads a line.
 """
 
@@ -82,19 +85,33 @@ class TrainRecord(Record):
 
     LOG: ClassVar[str] = TRAINING_LOG
     step: int
+    """Optimizer step, 1-based."""
     total_steps: int
+    """Planned optimizer steps."""
     epoch: float
+    """Fractional epoch: rows seen / training rows."""
     loss: float
+    """Mean token loss of this optimizer step (summed over micro-batches and ranks, divided by target tokens)."""
     lr: float
+    """Learning rate used for this step."""
     grad_norm: float | None
+    """Gradient norm before clipping."""
     tokens: int
+    """Target tokens (those the loss counts) in this step, across all ranks."""
     tokens_per_sec: float
+    """Input tokens per second over this step, all ranks together."""
     steps_per_sec: float
+    """Optimizer steps per second over this step."""
     eta_seconds: float
+    """Estimated seconds left (a moving average of step times)."""
     elapsed: float
+    """Seconds spent training in this process (since this start or resume)."""
     peak_mem_mb: float | None
-    aux_loss: float | None = None  # MoE router load-balancing loss
-    skipped: bool | None = None  # the update was skipped (non-finite loss or gradient norm)
+    """Peak accelerator memory (MiB) of rank 0 since the last record; CPU runs: the process's RSS."""
+    aux_loss: float | None = None
+    """Router load-balancing loss, averaged over ranks (MoE models that return one)."""
+    skipped: bool | None = None
+    """True when the update was skipped: a non-finite loss or gradient norm (a step_skipped event says which)."""
 
 
 @dataclass
@@ -104,15 +121,27 @@ class EvalRecord(Record):
 
     LOG: ClassVar[str] = EVAL_LOG
     step: int
+    """Optimizer step after which it ran."""
     eval_loss: float | None
+    """Token-weighted mean loss on the validation split; null for a task-only evaluation."""
     perplexity: float | None
+    """exp(eval_loss); null for a task-only evaluation."""
     eval_tokens: int | None
+    """Target tokens scored; null for a task-only evaluation."""
     task: str | None = None
+    """Task name (sst2, spider, ...) of a generation-based evaluation (eval.task)."""
     metrics: dict | None = None
+    """Task metrics, e.g. {"accuracy": 0.9, "unparsed": 0.0} (docs/tasks.md)."""
     samples: list | None = None
+    """The task's first three examples as generated: {prompt, prediction, target} each."""
     is_best: bool | None = None
+    """True when this evaluation became the best by metric_for_best when it was written (readers recompute:
+    "The best evaluation" below)."""
     metric_for_best: str | None = None
+    """The metric evaluations are ranked by: eval.metric_for_best resolved (auto: the task's official
+    metric, else eval_loss)."""
     greater_is_better: bool | None = None
+    """That metric's direction."""
     extra: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -139,10 +168,17 @@ class ExpertRecord(Record):
 
     LOG: ClassVar[str] = EXPERT_LOG
     step: int
+    """Last optimizer step of the window."""
     start_step: int
+    """First optimizer step of the window."""
     num_experts: int
+    """Experts per layer."""
     top_k: int
+    """Experts chosen per token."""
     layers: list
+    """Per router: {layer, name, counts, fractions, tokens, imbalance, entropy}: layer index, router module
+    name, selections per expert (padding excluded, counted once even with gradient checkpointing),
+    counts / total, tokens routed, max/mean of counts, entropy of fractions in nats."""
 
 
 @dataclass
@@ -151,10 +187,15 @@ class ErrorRecord(Record):
 
     LOG: ClassVar[str] = ERROR_LOG
     step: int | None
+    """Optimizer step reached when it failed."""
     type: str
+    """The exception's class name."""
     message: str
+    """The exception's message."""
     traceback: str
+    """The traceback, as text."""
     rank: int | None = None
+    """The process rank that wrote it."""
 
 
 RECORD_TYPES = (TrainRecord, EvalRecord, ExpertRecord, ErrorRecord)

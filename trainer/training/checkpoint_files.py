@@ -18,15 +18,16 @@ from trainer.runfolder import (
     BEST_ADAPTER_DIR,
     CHECKPOINT_PREFIX,
     FINAL_PREFIX,
+    TMP_PREFIX,
     TRAINER_STATE,
+    TRAINING_STATE_DIR,
     checkpoint_step,
     folder_size,  # noqa: F401 - the loop sizes checkpoints through ckpt.folder_size
     read_run_json,
 )
 from trainer.training.faults import NO_FAULTS, Faults
 
-TMP_PREFIX = ".tmp-"
-STATE_DIR = "training_state"
+STATE_DIR = TRAINING_STATE_DIR
 MODEL_FILES = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json")
 
 

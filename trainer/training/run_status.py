@@ -31,6 +31,13 @@ def library_versions() -> dict:
     return versions
 
 
+def run_hosts() -> list[str]:
+    """Every process's host name, each once, rank 0's first: a collective, so every rank calls it."""
+    from accelerate.utils import gather_object
+
+    return list(dict.fromkeys(gather_object([socket.gethostname()])))
+
+
 def record_config(cfg: Config, output_dir: Path, step: int) -> Path:
     """Write the config as used without ever rewriting the run's first one: config.yaml reproduces the run.
 
@@ -46,7 +53,7 @@ def record_config(cfg: Config, output_dir: Path, step: int) -> Path:
         dump_config(cfg, candidate)
         if candidate.read_text() == first.read_text():
             return first
-        changed = output_dir / f"config-resume-{step}.yaml"
+        changed = output_dir / runfolder.CONFIG_RESUME.format(step=step)
         shutil.copyfile(candidate, changed)
         return changed
 
@@ -55,7 +62,10 @@ def start_run(
     log: runfolder.RunLog, cfg: Config, output_dir: Path, loaded, data, world: int, total_steps: int, step: int,
     resume_from, config_source: str | None,
 ) -> None:  # fmt: skip
-    """config.yaml as used, run.json (kept across resumes: id, start, resume count), the opening events."""
+    """config.yaml as used, run.json (kept across resumes: id, start, resume count), the opening events.
+
+    Every rank calls it (the hosts are gathered from all of them); only rank 0's ``log`` writes."""
+    hosts = run_hosts()
     if log.enabled:
         written = record_config(cfg, output_dir, step)
         if written.name != runfolder.CONFIG_YAML:
@@ -72,7 +82,7 @@ def start_run(
         model_type=loaded.model_type,
         method=cfg.training.method,
         world_size=world,
-        hosts=sorted({socket.gethostname()}),
+        hosts=hosts,
         pid=os.getpid(),
         total_steps=total_steps,
         step=step,
@@ -104,15 +114,14 @@ def end_run(log: runfolder.RunLog, status: str, step: int, final_loss, best) -> 
 
 def record_failure(log: runfolder.RunLog, exc: BaseException, step: int, rank: int) -> None:
     """Fatal errors go to error_log.jsonl and run.json before the exception propagates."""
-    log.write(
-        runfolder.ERROR_LOG,
-        {
-            "step": step,
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "rank": rank,
-            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        },
+    log.append(
+        runfolder.ErrorRecord(
+            step=step,
+            type=type(exc).__name__,
+            message=str(exc),
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            rank=rank,
+        )
     )
     status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     if (log.output_dir / runfolder.RUN_JSON).exists():

@@ -69,25 +69,24 @@ class StepLog:
         if accelerator.num_processes > 1:
             tokens_all = int(accelerator.reduce(torch.tensor(tokens_all, device=accelerator.device), "sum"))
         if step % self.cfg.logging.interval == 0 or step == total:
-            record = {
-                "step": step,
-                "total_steps": total,
-                "epoch": round(state.pos.epoch + state.pos.row / self.train_rows, 4),
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens": result.target_count,
-                "tokens_per_sec": round(tokens_all / seconds, 1),
-                "steps_per_sec": round(1 / seconds, 4),
-                "eta_seconds": round(self.step_time_ema * (total - step), 1),
-                "elapsed": round(time.time() - self.train_start, 2),
-                "peak_mem_mb": peak_memory_mb(accelerator.device),
-            }
-            if result.has_aux:
-                record["aux_loss"] = float(accelerator.reduce(result.aux_total, "mean"))
-            if skipped:
-                record["skipped"] = True
-            self.log.write(runfolder.TRAINING_LOG, record)
+            aux = float(accelerator.reduce(result.aux_total, "mean")) if result.has_aux else None
+            record = runfolder.TrainRecord(
+                step=step,
+                total_steps=total,
+                epoch=round(state.pos.epoch + state.pos.row / self.train_rows, 4),
+                loss=loss,
+                lr=lr,
+                grad_norm=grad_norm,
+                tokens=result.target_count,
+                tokens_per_sec=round(tokens_all / seconds, 1),
+                steps_per_sec=round(1 / seconds, 4),
+                eta_seconds=round(self.step_time_ema * (total - step), 1),
+                elapsed=round(time.time() - self.train_start, 2),
+                peak_mem_mb=peak_memory_mb(accelerator.device),
+                aux_loss=aux,
+                skipped=True if skipped else None,
+            )
+            self.log.append(record)
             self.trackers.log_step(step, loss, lr, grad_norm)
         if self.counter.active and (step % self.cfg.logging.expert_interval == 0 or step == total):
             self.flush_experts(step)
@@ -100,15 +99,14 @@ class StepLog:
         layers = self.counter.flush(
             all_reduce=lambda t: accelerator.reduce(t.to(accelerator.device), "sum").cpu()
         )
-        self.log.write(
-            runfolder.EXPERT_LOG,
-            {
-                "step": step,
-                "start_step": self.expert_window_start,
-                "num_experts": self.counter.num_experts,
-                "top_k": self.counter.top_k,
-                "layers": layers,
-            },
+        self.log.append(
+            runfolder.ExpertRecord(
+                step=step,
+                start_step=self.expert_window_start,
+                num_experts=self.counter.num_experts,
+                top_k=self.counter.top_k,
+                layers=layers,
+            )
         )
         self.expert_window_start = step + 1
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.config import Config
+from trainer.runfolder import TRACKERS_DIR
 
 
 def accelerator_kwargs(cfg: Config) -> dict:
     """What ``Accelerator(...)`` needs to know about trackers (nothing when none is configured)."""
     if not cfg.logging.report_to:
         return {}
-    return {"log_with": cfg.logging.report_to, "project_dir": str(Path(cfg.paths.output_dir) / "trackers")}
+    return {"log_with": cfg.logging.report_to, "project_dir": str(Path(cfg.paths.output_dir) / TRACKERS_DIR)}
 
 
 def flat_config(cfg: Config) -> dict:
