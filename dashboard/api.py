@@ -1,8 +1,8 @@
 """The JSON API (and /health, /metrics, the plot PNGs): thin routes over the data functions the page
 also calls (``run_stats``, ``log_series``, ``run_tables``, ``devices``, ``config_diff``).
 
-Every route takes ``run=`` (default: the most recent run). Bad parameters answer 400, an
-unknown run or plot 404, always as JSON ``{"error", "status"}`` (see ``errors``).
+Every route about one run takes ``run=`` (default: the most recent run; /health and /api/runs take none).
+Bad parameters answer 400, an unknown run or plot 404, always as JSON ``{"error", "status"}`` (see ``errors``).
 """
 
 from __future__ import annotations
