@@ -8,8 +8,8 @@ import torch
 from tests.helpers import REPO
 from trainer.config import load_config
 from trainer.data.dataset import collate, pack
-from trainer.model.loading import load_for_training
 from trainer.model import chunked_loss
+from trainer.model.loading import load_for_training
 from trainer.training.step import forward_loss
 
 

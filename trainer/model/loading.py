@@ -20,10 +20,9 @@ from trainer.config import Config
 from trainer.families import Family, ModelLoadError, family_for
 from trainer.families.base import kernel_path_chosen
 from trainer.fastpath import attention as fast_attention
-from trainer.model import kernel_choice
+from trainer.model import chunked_loss, kernel_choice
 from trainer.model.sharded_loading import ShardedLoad
 from trainer.moe_quant import QuantizedExpertWeights, quantize_fused_experts
-from trainer.model import chunked_loss
 
 log = logging.getLogger(__name__)
 

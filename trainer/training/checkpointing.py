@@ -13,12 +13,12 @@ from pathlib import Path
 
 from trainer import peft_methods, runfolder
 from trainer.config import Config
+from trainer.data.batches import Position, StepShape
 from trainer.training import checkpoint_files as ckpt
 from trainer.training import fsdp
 from trainer.training.evaluation import best_is, metric_value
 from trainer.training.faults import NO_FAULTS, Faults
 from trainer.training.optim import repage_state
-from trainer.data.batches import Position, StepShape
 
 
 @dataclass
