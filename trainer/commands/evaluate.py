@@ -87,7 +87,7 @@ def evaluate_checkpoint(cfg, checkpoint: Path, with_loss: bool = True) -> dict:
     from trainer.data.dataset import prepare_data
     from trainer.data.prepare import workers_of
     from trainer.model.loading import load_for_training
-    from trainer.training.checkpoint_files import CheckpointInfo, read_state
+    from trainer.runfolder.checkpoints import CheckpointInfo, read_state
     from trainer.training.checkpointing import load_checkpoint_weights, model_source
     from trainer.training.evaluation import evaluate_loss
     from trainer.training.step import choose_kernels

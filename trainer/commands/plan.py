@@ -59,7 +59,7 @@ def free_sibling(out: Path) -> Path:
 
 def refusal(out: Path, verb: str) -> str | None:
     """One line when ``out`` holds checkpoints (a run a new shape would corrupt), else None."""
-    from trainer.training.checkpoint_files import list_checkpoints
+    from trainer.runfolder.checkpoints import list_checkpoints
 
     checkpoints = list_checkpoints(out)
     if not checkpoints:

@@ -45,7 +45,7 @@ def register(subparsers) -> None:
 def finished_run_decision(config, extend: bool) -> tuple[int | None, str]:
     """(exit code to stop with, or None to train; the line to print) for the run in paths.output_dir."""
     from trainer.cli import EXIT_BAD_INPUT
-    from trainer.training.checkpoint_files import finished_run
+    from trainer.runfolder.checkpoints import finished_run
 
     out = Path(config.paths.output_dir)
     finished = finished_run(out)
@@ -80,7 +80,7 @@ def run(args) -> int:
     from trainer.data.dataset import DataError
     from trainer.families import ModelLoadError
     from trainer.families.extras import require_installed
-    from trainer.training.checkpoint_files import CheckpointError, list_checkpoints
+    from trainer.runfolder.checkpoints import CheckpointError, list_checkpoints
     from trainer.training.loop import train
 
     resume = args.resume_from or ("latest" if args.resume else None)

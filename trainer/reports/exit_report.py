@@ -51,8 +51,8 @@ def last_error(output_dir: Path, since: float) -> str | None:
 
 def progress_text(output_dir: Path) -> str:
     """``last logged step S/T, last checkpoint NAME`` from the run folder."""
+    from trainer.runfolder.checkpoints import latest_checkpoint
     from trainer.sweep.status import progress
-    from trainer.training.checkpoint_files import latest_checkpoint
 
     logged = progress(output_dir)
     if logged is None:
