@@ -80,7 +80,9 @@ def test_the_lookup_is_turned_on_for_a_card_with_shipped_configs(on_a_gpu, capsy
     assert fla_tuning.use_tuned_configs() == on_a_gpu
     assert cache.FLA_CACHE_MODE is cache.FlaCacheMode.STRICT
     assert cache.get_fla_config_dir() == on_a_gpu
-    assert "fla: tuned Triton configurations for Test_GPU (1 kernels, lookup on for" in capsys.readouterr().out
+    assert (
+        "fla: tuned Triton configurations for Test_GPU (1 kernels, lookup on for" in capsys.readouterr().out
+    )
 
 
 def test_the_users_fla_settings_are_left_alone(on_a_gpu, monkeypatch):
