@@ -36,6 +36,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import harness  # noqa: E402
+from bench.harness import ALL_LINEAR  # noqa: E402
 from bench.optimizer_state import OPTIMIZERS, checkpoint_optimizer_check  # noqa: E402
 
 LLAMA_1B = {
@@ -52,28 +54,14 @@ LLAMA_1B = {
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": True,
     "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
+    **harness.TOKEN_IDS,
 }
-QWEN3_06B = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "hidden_size": 1024,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
+QWEN3_06B = {  # the same fields in the same order, Qwen3-0.6B's values
+    **LLAMA_1B,
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072,
+    "num_hidden_layers": 28, "num_attention_heads": 16, "head_dim": 128, "vocab_size": 151936,
+    "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+}  # fmt: skip
 GLM_SMALL = {
     "architectures": ["Glm4MoeForCausalLM"],
     "model_type": "glm4_moe",
@@ -97,30 +85,16 @@ GLM_SMALL = {
     "partial_rotary_factor": 0.5,
     "use_qk_norm": False,
     "attention_bias": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
+    **harness.TOKEN_IDS,
 }
 
 
 def model_dir(root: Path, name: str, config: dict, weights: bool = False) -> Path:
     """A local model folder: config.json plus the shipped offline tokenizer (its ids are valid in any vocab);
     with ``weights``, random-init weights saved once in bf16 so every run loads them in seconds."""
-    folder = root / name
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO / "configs" / "tiny-moe" / file, folder / file)
+    folder = harness.model_folder(root / name, config)
     if weights and not (folder / "model.safetensors").exists():
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16)
-        model.save_pretrained(folder)
-        del model
-        torch.cuda.empty_cache()  # this process stays alive, holding its cache, while the runs measure
+        harness.save_random_weights(folder)
     return folder
 
 
@@ -208,7 +182,7 @@ def run_ours(
     )
     row = {"name": name, "impl": "ours", "run_dir": str(out), "wall_s": round(time.time() - started, 1)}
     if result.returncode != 0:
-        return {**row, "error": (result.stderr or result.stdout)[-1500:]}
+        return {**row, "error": harness.output_tail(result, 1500)}
     return {**row, **summarise_run(out, warmup=5)}
 
 
@@ -225,12 +199,11 @@ def run_hf(
     args += ["--train-file", str(long_documents(model.parent.parent))]
     args += ["--steps", str(steps)] + ["--qlora"] * quantize + ["--checkpointing"] * checkpointing
     args += ["--liger"] * liger + (["--targets", ",".join(targets)] if targets else [])
-    try:
-        result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
+    result = harness.run_child(args, 600, cwd=REPO)
+    if result.returncode == harness.TIMED_OUT:
         return {"error": "timed out"}
     if result.returncode != 0:
-        return {"error": (result.stderr or result.stdout)[-1500:]}
+        return {"error": harness.output_tail(result, 1500)}
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -276,7 +249,6 @@ def run_unsloth(
 
 
 SHAPES = {"llama": ("llama-1b", LLAMA_1B), "qwen3": ("qwen3-0.6b", QWEN3_06B)}
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTENTION = ALL_LINEAR[:4]  # glm4_moe's experts are fused 3-D parameters in transformers 5, not nn.Linear
 
 
@@ -512,12 +484,11 @@ def kill_and_resume(root: Path, name: str, config: Path, kill_after: int, optimi
         "first_run_finished_before_kill": finished_first,
         "optimizer_state": checkpoint_optimizer_check(out / f"checkpoint-{kill_after}", optimizer),
     }
-    try:
-        resumed = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired:
+    resumed = harness.run_child(cmd, 900, cwd=REPO)
+    if resumed.returncode == harness.TIMED_OUT:
         return {**report, "error": "resumed run timed out"}
     if resumed.returncode != 0:
-        return {**report, "error": (resumed.stderr or resumed.stdout)[-1500:]}
+        return {**report, "error": harness.output_tail(resumed, 1500)}
     from trainer.runfolder import iter_records
 
     events = list(iter_records(out / "logs" / "events.jsonl"))
@@ -565,7 +536,7 @@ def resume_check(
 
 def save_results(root: Path, results: dict) -> None:
     """Written after every row and check, so a call cut off by its time limit still returns what it measured."""
-    (root / "bench_core_gpu.json").write_text(json.dumps(results, indent=2))
+    harness.write_json(root / "bench_core_gpu.json", results)
     if os.environ.get("OUT"):
         try:  # a run left going in the background outlives its call's $OUT; the copy under --out stays
             shutil.copy(root / "bench_core_gpu.json", Path(os.environ["OUT"]) / "bench_core_gpu.json")

@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import harness  # noqa: E402
 from trainer import runfolder as runlog  # noqa: E402
 
 RUN = "bench-run"
@@ -241,22 +242,20 @@ def measure(kind: str, root: Path, run: Path, calls: int, rate: float, first_ste
 
 
 def table(results: list[dict], records: int, rate: float) -> str:
-    lines = [
+    about = (
         f"Training log: {records:,} records ({records * 230 / 1e6:.0f} MB-ish), {rate:g} records/s appended while measuring; "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"load average {os.getloadavg()[0]:.1f} at the end (other jobs share the machine: absolute times vary).",
-        "",
-        "| reader | first /api/stats | /api/stats p50 | /api/stats p99 | /api/metrics p50 | /api/metrics p99 | RSS | peak RSS | calls | appended meanwhile |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        f"load average {os.getloadavg()[0]:.1f} at the end (other jobs share the machine: absolute times vary)."
+    )
+    header = ["reader", "first /api/stats", "/api/stats p50", "/api/stats p99", "/api/metrics p50"]
+    header += ["/api/metrics p99", "RSS", "peak RSS", "calls", "appended meanwhile"]
+    rows = []
     for r in results:
         name = "incremental (dashboard)" if r["kind"] == "real" else "naive (re-read per request)"
-        lines.append(
-            f"| {name} | {r['first'] / 1000:.2f} s | {r['stats_p50']:.1f} ms | {r['stats_p99']:.1f} ms | "
-            f"{r['metrics_p50']:.1f} ms | {r['metrics_p99']:.1f} ms | {r['rss']:.0f} MB | {r['peak']:.0f} MB | {r['calls']} | "
-            f"{r['appended']:,} |"
-        )
-    return "\n".join(lines)
+        times = [f"{r[k]:.1f} ms" for k in ("stats_p50", "stats_p99", "metrics_p50", "metrics_p99")]
+        memory = [f"{r['rss']:.0f} MB", f"{r['peak']:.0f} MB"]
+        rows.append([name, f"{r['first'] / 1000:.2f} s", *times, *memory, r["calls"], f"{r['appended']:,}"])
+    return about + "\n\n" + harness.markdown_table(header, rows)
 
 
 def write_results(path: Path, body: str) -> None:

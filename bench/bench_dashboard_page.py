@@ -31,6 +31,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import harness  # noqa: E402
 from bench.bench_dashboard import RUN, Appender, build_run, free_port  # noqa: E402
 
 
@@ -125,12 +126,9 @@ def main() -> None:
     run = build_run(root, args.records)
     size = (run / "logs" / "training_log.jsonl").stat().st_size
     port = free_port()
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    )
     server = subprocess.Popen(
         [sys.executable, "-m", "dashboard", "--logdir", str(root), "--port", str(port), "--server", "gunicorn", "--nice", "0"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=harness.child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     appender = None
     driver = browser()
@@ -165,6 +163,10 @@ def main() -> None:
         server.wait(timeout=20)
         shutil.rmtree(root, ignore_errors=True)
     load = os.getloadavg()[0]
+    load_rows = []
+    for r in loads:
+        counts = [r["route"], r["c"], f"{r['requests']:,}", r["failed"], f"{r['rps']:.0f}"]
+        load_rows.append(counts + [f"{r['p50']:.0f} ms", f"{r['p99']:.0f} ms"])
     lines = [
         "## Dashboard page (issue 15)",
         "",
@@ -178,12 +180,9 @@ def main() -> None:
         f"- Dashboard server CPU while the run appends and the page polls every {args.interval:g} s: "
         f"**{100 * cpu:.1f}% of one core** (averaged over {args.cpu_seconds:g} s).",
         "",
-        "| route (ab, loopback) | concurrent | requests | failed | req/s | p50 | p99 |",
-        "|---|---|---|---|---|---|---|",
-        *[
-            f"| {r['route']} | {r['c']} | {r['requests']:,} | {r['failed']} | {r['rps']:.0f} | {r['p50']:.0f} ms | {r['p99']:.0f} ms |"
-            for r in loads
-        ],
+        harness.markdown_table(
+            ["route (ab, loopback)", "concurrent", "requests", "failed", "req/s", "p50", "p99"], load_rows
+        ),
     ]
     print("\n".join(lines))
 

@@ -9,7 +9,6 @@ and the share spent in evaluations and checkpoints, with the first and last loss
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import harness  # noqa: E402
 from trainer.runfolder import iter_records  # noqa: E402
 
 
@@ -25,11 +25,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "default"
         started = time.time()
-        result = subprocess.run(
-            [sys.executable, "-m", "trainer", "train", "--set", f"paths.output_dir={out}"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
+        result = harness.run_child(
+            [sys.executable, "-m", "trainer", "train", "--set", f"paths.output_dir={out}"], cwd=REPO
         )
         wall = time.time() - started
         if result.returncode != 0:

@@ -20,8 +20,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import shutil
-import subprocess
+import subprocess  # noqa: F401 - the tests patch subprocess.run through this module
 import sys
 import tempfile
 import time
@@ -29,6 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from bench import harness  # noqa: E402
 
 VOCAB = 32000
 GLA_340M = {
@@ -42,9 +43,7 @@ GLA_340M = {
     "attn_mode": "chunk",
     "vocab_size": VOCAB,
     "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
+    **harness.TOKEN_IDS,
 }
 MAMBA2_130M = {
     "model_type": "mamba2",
@@ -58,9 +57,7 @@ MAMBA2_130M = {
     "chunk_size": 256,
     "vocab_size": VOCAB,
     "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
+    **harness.TOKEN_IDS,
 }
 MAMBA_130M = {
     "model_type": "mamba",
@@ -70,9 +67,7 @@ MAMBA_130M = {
     "expand": 2,
     "vocab_size": VOCAB,
     "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
+    **harness.TOKEN_IDS,
 }
 SMOKE = {  # --smoke: the same rows at toy size, to check the script itself (CPU is fine)
     "gla": {"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 2, "vocab_size": 1024},
@@ -142,12 +137,7 @@ def rows(args) -> list[Row]:
 
 
 def model_dir(root: Path, config: dict) -> Path:
-    folder = root / config["model_type"]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO / "configs" / "tiny-moe" / file, folder / file)
-    return folder
+    return harness.model_folder(root / config["model_type"], config)
 
 
 def missing_kernels(row: Row, cuda: bool) -> str | None:
@@ -478,39 +468,32 @@ def table(results: list[dict]) -> str:
 
 
 def environment() -> dict:
-    import importlib.metadata as md
-
     import torch
+
+    from trainer.tools.hardware import package_versions
 
     info = {"python": sys.version.split()[0], "cuda": torch.cuda.is_available()}
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
-    for name in ("torch", "transformers", "peft", "triton", "flash-linear-attention", "mamba-ssm", "mambapy"):
-        try:
-            info[name] = md.version(name)
-        except md.PackageNotFoundError:
-            info[name] = None
-    return info
+    names = ("torch", "transformers", "peft", "triton", "flash-linear-attention", "mamba-ssm", "mambapy")
+    return {**info, **package_versions(names)}
 
 
 def run_row_child(row, args, argv) -> dict:
     """One row in its own process (a fresh CUDA context and allocator); ``--row-timeout`` bounds it."""
     child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--row", row.name]
-    try:
-        done = subprocess.run(child, capture_output=True, text=True, timeout=args.row_timeout)
-    except subprocess.TimeoutExpired as expired:
-        output = expired.stderr or b""
-        tail = (output.decode(errors="replace") if isinstance(output, bytes) else output).strip().splitlines()
-        sys.stderr.write("\n".join(tail[-3:]) + "\n")
+    done = harness.run_child(child, args.row_timeout)
+    if done.returncode == harness.TIMED_OUT:
+        sys.stderr.write("\n".join(done.stderr.strip().splitlines()[-3:]) + "\n")
         return {
             "row": row.name,
             "status": "timeout",
             "reason": f"still running after {args.row_timeout:.0f} s",
         }
     sys.stderr.write("\n".join(done.stderr.splitlines()[-3:]) + "\n")
-    found = [line for line in done.stdout.splitlines() if line.startswith("ROW-RESULT ")]
+    found = harness.result_lines(done.stdout, "ROW-RESULT ")
     if found:
-        return json.loads(found[-1][len("ROW-RESULT ") :])
+        return found[-1]
     tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
     return {"row": row.name, "status": "error", "reason": f"exit {done.returncode}: {tail[0]}"[:300]}
 
@@ -533,9 +516,7 @@ def limit_autotuning(most: int, autotuner=None) -> None:
 
 
 def write_report(out: str, results: list[dict]) -> None:
-    report = {"environment": environment(), "rows": results, "summary": ratio_notes(results)}
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(report, indent=2))
+    harness.write_json(out, {"environment": environment(), "rows": results, "summary": ratio_notes(results)})
 
 
 def main(argv: list[str] | None = None) -> int:

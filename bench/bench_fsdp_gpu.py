@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -46,6 +45,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import harness  # noqa: E402
 from trainer.runfolder import iter_records, last_per_step  # noqa: E402
 
 ROWS_PER_STEP = 4  # sequences per optimizer step, whatever the GPU count (micro 1 x accumulation 4/N x N)
@@ -96,15 +96,8 @@ def build_weights(folder: str, dtype: str) -> None:
     """Random weights for the config in ``folder``, built on a GPU where there is one (seconds, not the
     minute a CPU init of an 8B-shaped model takes on every rank of every cell)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(folder), dtype=getattr(torch, dtype)
-        )
-    model.save_pretrained(folder)
+    harness.save_random_weights(folder, dtype, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def cell_config(out: Path, model: Path, method: str, distributed: str, gpus: int, args, **extra) -> Path:
@@ -150,12 +143,7 @@ def command(config: Path, gpus: int, port: int) -> list[str]:
 
 
 def environment(args) -> dict:
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-    )
+    env = harness.child_env(TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     if args.smoke:
         env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
     return env
@@ -186,12 +174,12 @@ def train(config: Path, gpus: int, args) -> subprocess.CompletedProcess:
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         stdout, stderr = proc.communicate()
-        code = "timeout"
+        code = harness.TIMED_OUT
     return subprocess.CompletedProcess(proc.args, code, stdout, stderr)
 
 
 def status(result: subprocess.CompletedProcess) -> str:
-    if result.returncode == "timeout":
+    if result.returncode == harness.TIMED_OUT:
         return "timeout (budget)"
     return "oom" if oom(result) else f"failed ({result.returncode})"
 
@@ -421,10 +409,10 @@ def earlier_memory_rows(report_json: Path) -> list[dict]:
 def dry_run(args, folder: Path, method: str, gpus: int, run: Path, row: dict) -> dict:
     """One planner row: the dry run's prediction for the FSDP cell's shape beside the measured peak."""
     config = cell_config(run, folder, method, "fsdp", gpus, args)
-    try:
-        result = subprocess.run(plan_command(config, gpus), cwd=REPO, env=environment(args), text=True,
-                                capture_output=True, timeout=args.budget.left())  # fmt: skip
-    except subprocess.TimeoutExpired:
+    result = harness.run_child(
+        plan_command(config, gpus), args.budget.left(), cwd=REPO, env=environment(args)
+    )
+    if result.returncode == harness.TIMED_OUT:
         return {**row, "status": "timeout (budget)"}
     if result.returncode != 0 or not (run / "plan.json").exists():
         return {**row, "status": f"failed ({result.returncode}): {(result.stderr or result.stdout)[-300:]}"}
@@ -499,16 +487,11 @@ class Report:
         self.write()
 
     def write(self) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
-        os.replace(tmp, self.path)
+        harness.write_json(self.path, self.data)
 
 
 def table(rows: list[dict], columns: list[str]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
-    return "\n".join(lines)
+    return harness.markdown_table(columns, [[row.get(c, "") for c in columns] for row in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -526,9 +509,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--optimizer", default="adamw", help="optimization.optimizer of every cell (bitsandbytes' under FSDP)"
     )
-    parser.add_argument("--dense-layers", type=int, default=8)
-    # one dense layer (GLM's first) and two MoE layers: the per-layer figure is the last (MoE) layer's
-    parser.add_argument("--moe-layers", type=int, default=3)
+    parser.add_argument("--dense-layers", type=int, default=8, help="decoder layers of the Llama-3-8B shape")
+    parser.add_argument(
+        "--moe-layers",
+        type=int,
+        default=3,
+        help="decoder layers of the GLM-4.5-Air shape: its first is dense, so 3 gives two MoE layers and "
+        "the per-layer figure is the last (MoE) layer's",
+    )
     parser.add_argument(
         "--steps", type=int, default=4, help="optimizer steps per cell; the first is not measured"
     )

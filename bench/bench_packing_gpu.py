@@ -27,7 +27,6 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,11 +34,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import harness  # noqa: E402
+
 IGNORE = -100
 VARIANTS = ("kit-sdpa", "kit-flex", "hf-liger")
 BASELINE = "hf-liger"
 ATTENTION = {"kit-sdpa": "sdpa", "kit-flex": "flex_attention"}
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MODEL_FILES = ("config.json", "model.safetensors")
 
 
@@ -161,7 +161,7 @@ def kit_config(args, out: Path, attention: str):
         "paths": {"output_dir": str(out / "run"), "train_file": str(REPO / "data" / "tiny_corpus.jsonl")},
         "model": {"name_or_path": str(args.model), "attn_implementation": attention},
         "training": {"method": "lora", "mixed_precision": "bf16", "micro_batch_size": args.micro},
-        "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": LORA_TARGETS},
+        "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": harness.ALL_LINEAR},
         "data": {"max_length": args.max_length},
         "memory": {"gradient_checkpointing": True},
         "performance": {"fast_path": "on" if args.device == "cuda" else "auto"},
@@ -262,7 +262,7 @@ def run_hf(args) -> dict:
     model.enable_input_require_grads()
     model.config.use_cache = False
     lora = LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=harness.ALL_LINEAR, task_type="CAUSAL_LM"
     )
     model = get_peft_model(model, lora)
     targets: list[int] = []
@@ -342,18 +342,14 @@ def last_line(text: str) -> str:
 def run_variant(args, variant: str, timeout: float) -> dict:
     """One variant in a fresh process (its own CUDA context, compile caches and peak memory)."""
     started = time.time()
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
-    try:
-        done = subprocess.run(
-            child_command(args, variant), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired:
+    env = harness.child_env(TOKENIZERS_PARALLELISM="false")
+    done = harness.run_child(child_command(args, variant), timeout, cwd=REPO, env=env)
+    if done.returncode == harness.TIMED_OUT:
         return {"variant": variant, "error": f"timed out after {timeout:.0f}s"}
     row = {"variant": variant, "wall_s": round(time.time() - started, 1)}
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return {**row, **json.loads(line[len("RESULT ") :])}
+    found = harness.result_lines(done.stdout, "RESULT ")
+    if found:
+        return {**row, **found[0]}
     output = done.stderr or done.stdout
     return {**row, "error": f"exit {done.returncode}: {last_line(output)}", "output_tail": output[-3000:]}
 
@@ -441,10 +437,7 @@ def main(argv=None) -> int:
         if base and row.get("real_tokens_per_s") and row["variant"] != BASELINE:
             row["ratio_vs_hf_liger"] = round(row["real_tokens_per_s"] / base["real_tokens_per_s"], 3)
     if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bench_packing.json").write_text(
-            json.dumps({"args": vars(args), "rows": rows}, indent=2)
-        )
+        harness.write_json(Path(args.out) / "bench_packing.json", {"args": vars(args), "rows": rows})
     return 0 if all("error" not in r for r in rows) else 1
 
 

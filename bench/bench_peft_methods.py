@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from bench import harness  # noqa: E402
 
 # ~50M parameters with the tiny tokenizer's 1024 tokens: big enough for the fast kernels to matter.
 MAMBA2_SMALL = {
@@ -45,9 +46,7 @@ MAMBA2_SMALL = {
     "conv_kernel": 4,
     "vocab_size": 1024,
     "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
+    **harness.TOKEN_IDS,
 }
 POSITIVE = ["good", "great", "warm", "fine", "lovely", "bright", "funny", "smart", "moving", "clever"]
 NEGATIVE = ["bad", "dull", "cold", "weak", "boring", "grim", "flat", "silly", "slow", "stale"]
@@ -105,14 +104,9 @@ def write_task(root: Path, train_rows: int, dev_rows: int, seed: int) -> tuple[P
 
 def write_model(root: Path, smoke: bool) -> Path:
     """A random-init Mamba-2 folder: the small config (or the tiny one) with the tiny tokenizer."""
-    folder = root / "model"
-    folder.mkdir(parents=True, exist_ok=True)
     tiny = REPO / "configs" / "tiny-mamba2"
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(tiny / name, folder / name)
     config = json.loads((tiny / "config.json").read_text()) if smoke else MAMBA2_SMALL
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    return folder
+    return harness.model_folder(root / "model", config, tokenizer=tiny)
 
 
 def lengths(model: Path, glue: Path, train: Path) -> dict:
@@ -207,13 +201,11 @@ def summary(run: Path) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = [
-        "| method | trainable (LoRA + SSM values) | final loss | sst2 accuracy | tokens/s | extra |",
-        "|---|---|---|---|---|---|",
-    ]
+    header = ["method", "trainable (LoRA + SSM values)", "final loss", "sst2 accuracy", "tokens/s", "extra"]
+    rows = []
     for method, r in results.items():
         if "error" in r:
-            lines.append(f"| {method} | - | - | - | - | failed: {r['error']} |")
+            rows.append([method, "-", "-", "-", "-", f"failed: {r['error']}"])
             continue
         extra = ""
         if r["stage_one_seconds"] is not None:
@@ -223,10 +215,9 @@ def table(results: dict) -> str:
             extra = f"init {g['seconds']:.1f}s, step-0 loss {g['step0_loss_base']:.5f} -> {g['step0_loss_lora_ga']:.5f}"
         acc = "-" if r["final_accuracy"] is None else f"{r['final_accuracy']:.3f}"
         tps = "-" if r["tokens_per_sec"] is None else f"{r['tokens_per_sec']:,.0f}"
-        lines.append(
-            f"| {method} | {r['lora_params']:,} + {r['ssm_values']:,} | {r['final_loss']:.4f} | {acc} | {tps} | {extra} |"
-        )
-    return "\n".join(lines)
+        trainable = f"{r['lora_params']:,} + {r['ssm_values']:,}"
+        rows.append([method, trainable, f"{r['final_loss']:.4f}", acc, tps, extra])
+    return harness.markdown_table(header, rows)
 
 
 def main(argv=None) -> int:
@@ -271,7 +262,7 @@ def main(argv=None) -> int:
             results[method] = {"error": f"exit {done.returncode}"}
             continue
         results[method] = summary(args.out / method)
-    (args.out / "peft_methods.json").write_text(json.dumps(results, indent=1))
+    harness.write_json(args.out / "peft_methods.json", results, indent=1)
     print(table(results))
     return 0 if all("error" not in r for r in results.values()) else 1
 

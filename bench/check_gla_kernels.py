@@ -18,7 +18,11 @@ import argparse
 import json
 import os
 import sys
-from importlib.metadata import version
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import harness  # noqa: E402
 
 
 def relative_errors(fast: dict, ref: dict) -> dict:
@@ -42,12 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     from fla.ops.gla import chunk_gla, fused_recurrent_gla
     from fla.ops.gla.naive import naive_recurrent_gla
 
+    from trainer.tools.hardware import package_versions
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--key-dim", type=int, default=128)
-    parser.add_argument("--value-dim", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4, help="GLA-340M's")
+    parser.add_argument("--key-dim", type=int, default=128, help="q and k per head (GLA-340M's)")
+    parser.add_argument("--value-dim", type=int, default=256, help="v per head (GLA-340M's)")
     parser.add_argument("--out", default="gla_kernels.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -75,9 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {
         "device": torch.cuda.get_device_name(0),
         "TRITON_F32_DEFAULT": os.environ.get("TRITON_F32_DEFAULT", "(unset: tf32)"),
+        **package_versions(("torch", "triton", "flash-linear-attention")),
     }
-    for name in ("torch", "triton", "flash-linear-attention"):
-        env[name] = version(name)
     print(json.dumps(env), flush=True)
     names = ["o", "dq", "dk", "dv", "dg"]
     print(
@@ -98,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["status"] = f"{type(exc).__name__}: {exc}"[:200]
                 print(f"{name:22} {row['dtype']:9} {row['status']}", flush=True)
             rows.append(row)
-            with open(args.out, "w") as f:
-                json.dump({"environment": env, "shape": vars(args), "rows": rows}, f, indent=2)
+            harness.write_json(args.out, {"environment": env, "shape": vars(args), "rows": rows})
     return 0
 
 

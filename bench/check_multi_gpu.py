@@ -19,6 +19,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import harness  # noqa: E402
 from trainer.runfolder import iter_records, last_per_step  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def config(out: Path, model: str, micro: int, steps: int, random_init: bool) -> 
 
 def run(cmd: list[str]) -> float:
     started = time.time()
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    result = harness.run_child(cmd, cwd=REPO)
     if result.returncode != 0:
         print(result.stdout[-3000:], result.stderr[-3000:])
         raise SystemExit(f"failed: {' '.join(cmd)}")
@@ -117,7 +118,7 @@ def main() -> None:
         "devices": devices,
     }
     print(json.dumps(result, indent=2))
-    (root / "multi_gpu.json").write_text(json.dumps(result, indent=2))
+    harness.write_json(root / "multi_gpu.json", result)
 
 
 if __name__ == "__main__":

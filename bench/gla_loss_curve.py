@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,17 +26,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import harness  # noqa: E402
+
 PATHS = ("fla-triton", "fla-naive-torch")
 
 
 def model_folder(root: Path, hidden: int, layers: int, heads: int) -> Path:
     """configs/tiny-gla (its tokenizer and config) with a wider, deeper model."""
-    folder = root / "model"
-    shutil.copytree(REPO / "configs" / "tiny-gla", folder, dirs_exist_ok=True)
-    config = json.loads((folder / "config.json").read_text())
+    tiny = REPO / "configs" / "tiny-gla"
+    config = json.loads((tiny / "config.json").read_text())
     config.update(hidden_size=hidden, num_hidden_layers=layers, num_heads=heads, intermediate_size=None)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder
+    return harness.model_folder(root / "model", config, tokenizer=tiny)
 
 
 def launch(
@@ -141,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         result["comparison"] = compare(runs[0], runs[len(paths) - 1])
         if args.noise_floor:
             result["noise_floor"] = compare(runs[-2], runs[-1])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    harness.write_json(args.out, result, indent=1)
     for run in runs:
         done = (
             f"{run.get('kernel_path')}, {len(run.get('losses', ()))} steps, {run.get('tokens_per_sec')} tok/s"

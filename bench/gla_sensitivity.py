@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from bench import harness  # noqa: E402
+
 
 def noisy(tensor, eps: float, gen):
     """``tensor`` with each element off by a relative ``eps`` (random sign and size): the shape of a rounding
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "grad_rel_diff": float((grads - ref_grads).norm() / ref_grads.norm()),
     }
     print(json.dumps(result), flush=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    harness.write_json(args.out, result)
     return 0
 
 

@@ -21,8 +21,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from bench import harness  # noqa: E402
 
 
 def load_model(path: str, qlora: bool, device_map: dict):
@@ -113,7 +112,10 @@ def main() -> None:
     parser.add_argument("--liger", action="store_true", help="use_liger_kernel=True (Trainer + Liger)")
     parser.add_argument("--train-file", default=str(REPO / "data" / "tiny_corpus.jsonl"))
     parser.add_argument(
-        "--targets", type=target_list, default=ALL_LINEAR, help="LoRA target modules, comma list (all seven)"
+        "--targets",
+        type=target_list,
+        default=harness.ALL_LINEAR,
+        help="LoRA target modules, comma list (all seven)",
     )
     args = parser.parse_args()
 

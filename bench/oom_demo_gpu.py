@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_core_gpu import LLAMA_1B, model_dir  # noqa: E402
 
+from bench import harness  # noqa: E402
 from trainer.runfolder import iter_records  # noqa: E402
 
 
@@ -67,12 +67,7 @@ def main() -> None:
             "mixed_precision": "bf16",
             "save_steps": 10_000,
         },
-        "lora": {
-            "r": 16,
-            "alpha": 32,
-            "dropout": 0.0,
-            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        },
+        "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": harness.ALL_LINEAR},
         "data": {"max_length": 2048, "val_fraction": 0.05},
         "eval": {"interval": 2, "batch_size": 256, "max_batches": 1},
         "memory": {"gradient_checkpointing": False, "max_oom_retries": 8},
@@ -92,12 +87,7 @@ def main() -> None:
             "--num_processes",
             str(args.processes),
         ]
-    result = subprocess.run(
-        [*launcher, *entry, "train", "--config", str(config)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    result = harness.run_child([*launcher, *entry, "train", "--config", str(config)], cwd=REPO)
     print(f"exit code {result.returncode}")
     if result.returncode != 0:
         print(result.stderr[-3000:])
@@ -122,7 +112,7 @@ def main() -> None:
         "events": events,
         "steps": list(iter_records(run / "logs" / "training_log.jsonl")),
     }
-    (root / "oom_demo.json").write_text(json.dumps(summary, indent=2))
+    harness.write_json(root / "oom_demo.json", summary)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import harness  # noqa: E402
+
 CATEGORIES = [
     ("dequant (NF4)", r"dequant|kDequantize"),
     ("attention", r"flash|fmha|attention|sdpa|efficient_attention"),
@@ -49,12 +51,11 @@ def make_cfg(args, out: Path):
     from trainer.config import load_config
 
     cfg = {
-        "paths": {"output_dir": str(out), "train_file": str(Path(__file__).resolve().parent.parent / "data" / "tiny_corpus.jsonl")},
+        "paths": {"output_dir": str(out), "train_file": str(harness.REPO / "data" / "tiny_corpus.jsonl")},
         "model": {"name_or_path": args.model, "random_init": not (Path(args.model) / "model.safetensors").exists(),
                   "attn_implementation": args.attn},
         "training": {"method": args.method, "mixed_precision": "bf16", "micro_batch_size": args.batch},
-        "lora": {"r": 16, "alpha": 32, "dropout": 0.0,
-                 "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+        "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": harness.ALL_LINEAR},
         "quantization": {"compute_dtype": "bf16"},
         "memory": {"gradient_checkpointing": args.gc},
         "performance": {"fast_path": args.fast},
@@ -332,11 +333,16 @@ def check_model(args, out):
     }
 
 
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model folder and the setting profiled (``python bench/profile_loop.py`` takes the same)."""
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--method", default="lora")
+    parser.add_argument("--gc", action="store_true")
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
-    p.add_argument("--method", default="lora")
-    p.add_argument("--gc", action="store_true")
+    model_arguments(p)
     p.add_argument("--fast", default="auto")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
@@ -367,13 +373,7 @@ def main():
 
         trainer.fastpath.patch_qkv_groups = lambda model: 0
     if args.save_model:  # random-init once, in bf16: every later process loads it in seconds
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        torch.manual_seed(0)
-        cfg = AutoConfig.from_pretrained(args.model)
-        with torch.device("cuda"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-        model.save_pretrained(args.model)
+        harness.save_random_weights(args.model)
         print(f"saved {args.model} in {time.time() - started:.0f}s", flush=True)
         return
     if args.check:

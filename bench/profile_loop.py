@@ -22,10 +22,10 @@ sys.path.insert(0, str(REPO))
 
 
 def main() -> int:
+    from bench.profile_fast_path import host_probe, model_arguments, pick_sdpa_backend
+
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--method", default="lora")
-    parser.add_argument("--gc", action="store_true")
+    model_arguments(parser)
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--profile-from", type=int, default=8)
     parser.add_argument("--profile-steps", type=int, default=3)
@@ -52,7 +52,6 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from bench.bench_core_gpu import ALL_LINEAR, trainer_config
-    from bench.profile_fast_path import host_probe, pick_sdpa_backend
     from trainer.cli import main as trainer_main
     from trainer.training import oom_retry
 

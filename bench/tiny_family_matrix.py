@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench import harness  # noqa: E402
 
 # (name, config, overrides): model.dtype auto is bf16 on a GPU with bf16 support
 CASES = [
@@ -64,7 +66,7 @@ def run_case(case, steps: int, root: Path) -> dict:
     ]:
         command += ["--set", item]
     start = time.time()
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    proc = harness.run_child(command, cwd=REPO)
     lines = (proc.stdout + proc.stderr).splitlines()
     log = out / "logs" / "training_log.jsonl"
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()] if log.exists() else []
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
             flush=True,
         )
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        harness.write_json(args.out, results)
     return 0 if all(r["returncode"] == 0 for r in results if "mamba_ssm" not in r["case"]) else 1
 
 
