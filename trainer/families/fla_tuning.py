@@ -41,9 +41,10 @@ def use_tuned_configs() -> Path | None:
         return _applied_folder()
     try:
         from fla.ops.utils import cache
-    except Exception:  # noqa: BLE001 - fla or triton absent or broken: nothing to configure
+
+        folder = config_dir(cache.get_gpu_info())
+    except Exception:  # noqa: BLE001 - fla or triton absent or broken, or no device to name: nothing to configure
         return None
-    folder = config_dir(cache.get_gpu_info())
     if not folder.is_dir():
         return None
     routed = route_autotuners_through_lookup(cache.CachedAutotuner)
