@@ -174,8 +174,10 @@ def test_sigterm_to_one_rank_mid_evaluation_stops_every_rank_at_the_same_batch(w
     config = write_config(
         {
             "training": {"max_steps": 10, "save_steps": 100},
-            "data": {"val_fraction": 0.15},
-            "eval": {"interval": 6, "at_end": False, "max_batches": 0},
+            # A long evaluation (one row a batch, a third of the data), so the signal lands inside it on a
+            # busy machine too: ~100 forward passes a rank.
+            "data": {"val_fraction": 0.3},
+            "eval": {"interval": 6, "at_end": False, "max_batches": 0, "batch_size": 1},
         }
     )
     run = tmp_path / "run"
@@ -187,7 +189,7 @@ def test_sigterm_to_one_rank_mid_evaluation_stops_every_rank_at_the_same_batch(w
     assert wait_for(
         lambda: (run / "logs" / runfolder.EVENTS_LOG).exists() and started() or proc.poll() is not None
     )
-    time.sleep(1.0)
+    time.sleep(0.5)
     ranks = {p.environ().get("RANK"): p for p in psutil.Process(proc.pid).children(recursive=True)}
     ranks["1"].send_signal(signal.SIGTERM)
     sent = time.monotonic()

@@ -22,8 +22,7 @@ from trainer.config import Config
 from trainer.data.dataset import prepare_data
 from trainer.data.prepare import workers_of
 from trainer.families import family_for
-from trainer.families.extras import model_type
-from trainer.model.loading import load_for_training, load_tokenizer
+from trainer.model.loading import load_for_training, load_hf_config, load_tokenizer
 from trainer.monitor.experts import ExpertCounter
 from trainer.monitor.notify import Notifier
 from trainer.monitor.telemetry import TelemetrySampler
@@ -140,12 +139,11 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
     """Model and the step's kernels, data, optimizer, the loop's helpers; resume; then open the run."""
     from accelerate.utils import set_seed
 
-    # Data first: its errors show before a long model load, and its worker processes fork from a small
-    # process. The first process to get here builds the cache; the others wait for it and reuse it.
-    data = prepare_data(
-        cfg.paths, cfg.data, load_tokenizer(cfg), family_for(model_type(cfg) or "", cfg.model.family).packing,
-        workers_of(cfg.performance),
-    )  # fmt: skip
+    # Data first (after the model's config, which names its family and whether it packs): its errors show
+    # before a long model load, and its worker processes fork from a small process. The first process to
+    # get here builds the cache; the others wait for it and reuse it.
+    family = family_for(getattr(load_hf_config(cfg), "model_type", "") or "", cfg.model.family)
+    data = prepare_data(cfg.paths, cfg.data, load_tokenizer(cfg), family.packing, workers_of(cfg.performance))
     set_seed(cfg.training.seed)
     loaded = load_for_training(model_source(cfg, resume_from), accelerator.device)
     kernels = choose_kernels(loaded, cfg, accelerator.device)
