@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import REPO, run_trainer, trainer_env
+from tests.helpers import REPO, run_trainer
+from tests.training.test_fsdp import two_process_command, two_process_env
 from trainer.data import cache
 
 
 def launch_two(config) -> subprocess.CompletedProcess:
-    """``accelerate launch`` with two CPU processes (gloo), as a user starts a two-GPU run."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**trainer_env(), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--main_process_port", str(port), "--mixed_precision", "no",
-           "-m", "trainer", "train", "--config", str(config)]  # fmt: skip
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    """``accelerate launch`` with two CPU processes (gloo), as a user starts a two-GPU run; accumulation 2."""
+    return subprocess.run(
+        two_process_command(config),
+        cwd=REPO,
+        env=two_process_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 def losses(run) -> dict[int, float]:
@@ -37,9 +36,10 @@ def data_report(run) -> dict:
 
 @pytest.mark.slow
 def test_two_processes_tokenize_once_and_train_as_one_with_accumulation(write_config, tmp_path):
-    """Rank r's micro-batch is slice r of the step, as accumulation step r of one process: same losses."""
+    """Two ranks with accumulation 2 take the step's slices 0, 2 (rank 0) and 1, 3 (rank 1); one process with
+    accumulation 4 takes 0-3: the same rows and the same token-normalised loss."""
     store = tmp_path / "cache"
-    shape = {"micro_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": 3, "save_steps": 3}
+    shape = {"micro_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 3, "save_steps": 3}
     extra = {
         "data": {"cache_dir": str(store)},
         "lora": {"dropout": 0.0},
@@ -54,7 +54,7 @@ def test_two_processes_tokenize_once_and_train_as_one_with_accumulation(write_co
     assert len(built) == 1
     assert data_report(tmp_path / "two")["fingerprint"] == built[0]["fingerprint"]
 
-    one = write_config({**extra, "training": {**shape, "gradient_accumulation_steps": 2}}, "one.yaml", "one")
+    one = write_config({**extra, "training": {**shape, "gradient_accumulation_steps": 4}}, "one.yaml", "one")
     single = run_trainer("train", "--config", str(one))
     assert single.returncode == 0, single.stdout[-3000:] + single.stderr[-3000:]
     assert "data: preparing" not in single.stdout  # a new run folder, the same data: reused

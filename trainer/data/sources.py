@@ -328,30 +328,29 @@ def encode_source(source: Source, encoder: Encoder, workers: int, work_dir: Path
         tasks = datasets.Dataset.from_list(ranges) if ranges else None
         if tasks is None:
             return datasets.Dataset.from_dict({k: [] for k in features()}, features=features())
-        return tasks.map(
-            LineTask(encoder, sample_every, text_field),
-            batched=True,
-            batch_size=1,
-            num_proc=max(1, min(workers, len(ranges))) if workers > 1 else None,
-            remove_columns=tasks.column_names,
-            features=features(),
-            cache_file_name=str(work_dir / "encoded.arrow"),
-            load_from_cache_file=False,
-            new_fingerprint=f"encoded-{os.getpid()}",
-            desc="tokenizing",
-        )
+        task = LineTask(encoder, sample_every, text_field)
+        return _encode_map(tasks, task, 1, min(workers, len(ranges)), work_dir, with_indices=False)
     # Local files convert into a scratch folder removed after the build; a Hub dataset stays in datasets' own
     # cache, where it was downloaded (and where offline use finds it).
     records = load_structured(source, cache_dir=str(work_dir / "hf") if source.files else None)
     first_line = 2 if source.files and source.files[0].suffix.lower() == ".csv" else 1
     sample_every = max(1, len(records) // SAMPLE_RECORDS)
-    return records.map(
-        RecordTask(encoder, sample_every, text_field, source.label, first_line),
+    task = RecordTask(encoder, sample_every, text_field, source.label, first_line)
+    return _encode_map(
+        records, task, 1000, min(workers, len(records) // 1000 + 1), work_dir, with_indices=True
+    )
+
+
+def _encode_map(dataset, task, batch_size: int, processes: int, work_dir: Path, with_indices: bool):
+    """``task`` over ``dataset`` in ``processes`` workers (in this process for one), written to ``work_dir``; our
+    fingerprint, not datasets', decides reuse, so its own cache is never consulted."""
+    return dataset.map(
+        task,
         batched=True,
-        batch_size=1000,
-        with_indices=True,
-        num_proc=max(1, min(workers, len(records) // 1000 + 1)) if workers > 1 else None,
-        remove_columns=records.column_names,
+        batch_size=batch_size,
+        with_indices=with_indices,
+        num_proc=processes if processes > 1 else None,
+        remove_columns=dataset.column_names,
         features=features(),
         cache_file_name=str(work_dir / "encoded.arrow"),
         load_from_cache_file=False,
