@@ -3,25 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from tests.helpers import REPO, run_trainer
-from tests.training.test_fsdp import two_process_command, two_process_env
+from tests.helpers import run_trainer
+from tests.training.test_fsdp import launch_two  # two CPU ranks (gloo), accumulation 2
 from trainer.data import cache
-
-
-def launch_two(config) -> subprocess.CompletedProcess:
-    """``accelerate launch`` with two CPU processes (gloo), as a user starts a two-GPU run; accumulation 2."""
-    return subprocess.run(
-        two_process_command(config),
-        cwd=REPO,
-        env=two_process_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
 
 
 def losses(run) -> dict[int, float]:
