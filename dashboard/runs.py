@@ -7,6 +7,7 @@ symlinks that leave the root cannot name anything.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -137,7 +138,7 @@ def evaluation_under_way(events: list[dict]) -> bool:
 
 def age_words(seconds: float) -> str:
     """``82`` -> ``1 min 22 s``; ``7500`` -> ``2 h 5 min``; ``200000`` -> ``2 days 7 h``: an age a person reads."""
-    seconds = max(0, int(round(seconds)))
+    seconds = max(0, math.floor(seconds + 0.5))  # halves round up, as static/app.js's duration does
     days, rest = divmod(seconds, 86400)
     hours, rest = divmod(rest, 3600)
     minutes, secs = divmod(rest, 60)

@@ -12,6 +12,7 @@ from trainer.runfolder import summaries
 
 from . import devices, run_stats, run_tables
 from .errors import DashboardError, float_arg
+from .runs import age_words
 
 bp = Blueprint("views", __name__)
 
@@ -132,17 +133,7 @@ def format_duration(seconds) -> str:
     """As ``duration`` in static/app.js: 45 s, 12 min 5 s, 3 h 20 min, 2 days 4 h."""
     if seconds is None:
         return "-"
-    seconds = max(0, math.floor(seconds + 0.5))
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days} day{'s' if days > 1 else ''}" + (f" {hours} h" if hours else "")
-    if hours:
-        return f"{hours} h" + (f" {minutes} min" if minutes else "")
-    if minutes:
-        return f"{minutes} min" + (f" {secs} s" if secs else "")
-    return f"{secs} s"
+    return age_words(seconds)
 
 
 @bp.app_template_filter("clock")
