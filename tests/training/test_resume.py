@@ -124,8 +124,10 @@ def test_sigterm_during_a_long_evaluation_saves_its_step_and_resumes_exactly(wri
     and the resume evaluates that step again before training on, with the losses of an uninterrupted run."""
     long_eval = {
         "training": {"max_steps": 10, "save_steps": 100},
-        "data": {"val_fraction": 0.15},  # about 10 s of evaluation on a 2-core CPU
-        "eval": {"interval": 6, "at_end": False, "max_batches": 0},
+        # One row a batch over a third of the data: long enough that the signal lands inside it on an idle
+        # machine too (about 300 forward passes).
+        "data": {"val_fraction": 0.3},
+        "eval": {"interval": 6, "at_end": False, "max_batches": 0, "batch_size": 1},
     }
     reference = write_config(
         {**long_eval, "eval": {**long_eval["eval"], "max_batches": 1}}, "ref.yaml", "ref"
@@ -138,7 +140,7 @@ def test_sigterm_during_a_long_evaluation_saves_its_step_and_resumes_exactly(wri
     assert wait_for(
         lambda: (run / "logs" / runfolder.EVENTS_LOG).exists() and started() or proc.poll() is not None
     )
-    time.sleep(1.0)  # well into the evaluation
+    time.sleep(0.5)  # well into the evaluation
     proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     output, _ = proc.communicate(timeout=120)
