@@ -83,7 +83,9 @@ class Row:
     variant: str
     targets: object
     batch: int
-    path: str = "best"  # "best": whatever the family picks; "reference": transformers' PyTorch code
+    # "best": whatever the family picks; "reference": transformers' PyTorch code; "trainer": transformers'
+    # Trainer + PEFT on the same model folder and the same kernels (the peer a user would pick instead)
+    path: str = "best"
     checkpointing: bool = False
     method: str = (
         "lora"  # training.method: lora, or qlora (NF4 base, the family's kernel-read modules kept 16-bit)
@@ -98,10 +100,12 @@ def rows(args) -> list[Row]:
     return [
         Row("gla-340m lora", GLA_340M, "lora", "all-linear", b_gla),
         Row("gla-340m dora", GLA_340M, "dora", "all-linear", b_gla),
+        Row("gla-340m lora trainer+peft", GLA_340M, "lora", "all-linear", b_gla, path="trainer"),
         # Mamba rows take the family's default targets, which follow the kernel path
         Row("mamba2-130m lora fast", MAMBA2_130M, "lora", None, b_m2),
         Row("mamba2-130m dora fast", MAMBA2_130M, "dora", None, b_m2),
         Row("mamba2-130m lora reference", MAMBA2_130M, "lora", None, b_m2, path="reference"),
+        Row("mamba2-130m lora trainer+peft", MAMBA2_130M, "lora", None, b_m2, path="trainer"),
         Row("mamba2-130m qlora fast", MAMBA2_130M, "lora", None, b_m2, method="qlora"),
         Row("mamba2-130m qlora reference", MAMBA2_130M, "lora", None, b_m2, path="reference", method="qlora"),
         # the reference scan keeps [batch, seq, d_inner, state] per layer: recompute layers to fit
@@ -151,7 +155,7 @@ def missing_kernels(row: Row, cuda: bool) -> str | None:
         except Exception as exc:  # noqa: BLE001
             return f"flash-linear-attention not importable ({type(exc).__name__}: {exc})"[:200]
         return None
-    if row.path == "reference":
+    if row.path == "reference" or (row.path == "trainer" and not cuda):  # (a CPU smoke run: whatever path)
         return None
     from transformers import Mamba2Config, MambaConfig
 
@@ -383,6 +387,82 @@ def timed_training(loaded, cfg, row: Row, seq: int, steps: int, device, vocab: i
     return result
 
 
+def trainer_row(folder: Path, row: Row, seq: int, steps: int, device) -> dict:
+    """transformers' Trainer + PEFT LoRA (r16, alpha 32, the kit row's targets) on the same random-init model,
+    with the kernels the kit's row runs: fla's model (GLA), and for Mamba the path the family picks, bound
+    process-wide before the model is built. bf16 autocast over bf16 weights (``bf16=True``), as the kit's rows.
+    Tokens/s over the timed steps' own time (the callbacks exclude data loading: in the peer's favour)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    from trainer.families import mamba
+
+    kind = row.model["model_type"]
+    cuda = device.type == "cuda"
+    path, model_class = "fla-triton", AutoModelForCausalLM
+    if kind == "gla":
+        import fla  # noqa: F401 - registers the gla classes
+
+        targets = "all-linear"
+    else:  # transformers' own classes: `import fla` points the Auto classes at fla's Mamba models
+        config_class, model_class = mamba._transformers_classes(kind)
+        config = config_class.from_pretrained(folder)
+        path = mamba.auto_kernel_path(config)
+        mamba.use_kernel_path(kind, path)
+        targets = mamba.default_lora_targets(config)
+    torch.manual_seed(0)
+    model = model_class.from_pretrained(folder, dtype=torch.bfloat16).to(device)
+    model = get_peft_model(
+        model,
+        LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"),
+    )
+    gen = torch.Generator().manual_seed(0)
+    vocab = row.model["vocab_size"]
+    data = [
+        {"input_ids": ids, "labels": ids} for ids in torch.randint(3, vocab, (row.batch, seq), generator=gen)
+    ]
+    warmup, times, losses = min(3, steps), [], []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.started)
+            if len(times) == warmup and cuda:
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    args = TrainingArguments(
+        output_dir=str(folder / "trainer-out"), per_device_train_batch_size=row.batch, max_steps=warmup + steps,
+        learning_rate=1e-4, bf16=cuda, use_cpu=not cuda, logging_steps=1, save_strategy="no", report_to=[],
+        lr_scheduler_type="constant", dataloader_drop_last=True, gradient_checkpointing=row.checkpointing,
+    )  # fmt: skip
+    cycled = data * (warmup + steps)  # one random batch every step, as the kit's rows
+    Trainer(model=model, args=args, train_dataset=cycled, callbacks=[Timer()]).train()
+    timed = sum(times[warmup:])
+    return dict(
+        status="ok",
+        kernel_path=f"{path} (Trainer)",
+        total_params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+        trainable_params_m=round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2),
+        tokens_per_s=round(row.batch * seq * (len(times) - warmup) / timed, 1),
+        step_s=round(timed / max(1, len(times) - warmup), 4),
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        first_loss=round(losses[0], 4) if losses else None,
+        last_loss=round(losses[-1], 4) if losses else None,
+        check=None,
+    )
+
+
 def run_row(row: Row, steps: int, seq: int, smoke: bool) -> dict:
     import torch
 
@@ -400,6 +480,14 @@ def run_row(row: Row, steps: int, seq: int, smoke: bool) -> dict:
     model_config = {**row.model, **(SMOKE[row.model["model_type"]] if smoke else {})}
     with tempfile.TemporaryDirectory(prefix="bench-families-") as tmp:
         folder = model_dir(Path(tmp), model_config)
+        if row.path == "trainer":
+            if not cuda and model_config["model_type"] == "gla":
+                return {**result, "status": "skipped", "reason": "fla's GLA model needs CUDA for its kernels"}
+            harness.save_random_weights(folder, device=device.type)
+            result.update(
+                trainer_row(folder, dataclasses.replace(row, model=model_config), seq, steps, device)
+            )
+            return result
         cfg = kit_config(folder, dataclasses.replace(row, model=model_config), seq, smoke)
         with contextlib.ExitStack() as stack:
             if row.path == "reference":  # model.kernel_path picks it; the ops stay unbound for the whole row
@@ -436,6 +524,23 @@ def ratio_notes(results: list[dict]) -> list[str]:
             "" if target is None else f" ({'meets' if ratio >= target else 'MISSES'} the {target}x target)"
         )
         notes.append(f"{label} fast ({fast['kernel_path']}) / reference: {ratio:.1f}x tokens/s{verdict}")
+    for label, kit_row, peer_row in (
+        ("GLA-340M", "gla-340m lora", "gla-340m lora trainer+peft"),
+        ("Mamba-2 130M", "mamba2-130m lora fast", "mamba2-130m lora trainer+peft"),
+    ):
+        kit, peer = by_name.get(kit_row), by_name.get(peer_row)
+        if not (kit and peer and kit.get("status") == peer.get("status") == "ok"):
+            continue
+        ratio = kit["tokens_per_s"] / peer["tokens_per_s"]
+        peaks = (kit.get("peak_gib"), peer.get("peak_gib"))
+        if None in peaks:  # a CPU run: no memory to compare
+            notes.append(f"{label} kit / Trainer + PEFT: {ratio:.2f}x tokens/s")
+            continue
+        verdict = "meets" if ratio >= 1.5 and peaks[0] <= peaks[1] else "MISSES"
+        notes.append(
+            f"{label} kit / Trainer + PEFT: {ratio:.2f}x tokens/s, peak {peaks[0]:.2f} / {peaks[1]:.2f} GiB "
+            f"({verdict} the 1.5x-at-no-more-memory target)"
+        )
     return notes
 
 

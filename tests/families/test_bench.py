@@ -32,6 +32,7 @@ def test_bench_smoke_on_cpu_skips_missing_kernels_and_runs_the_reference(tmp_pat
         "mamba2-130m lora fast",
         "mamba2-130m dora fast",
         "mamba2-130m lora reference",
+        "mamba2-130m lora trainer+peft",
         "mamba2-130m qlora fast",
         "mamba2-130m qlora reference",
     ]
@@ -40,11 +41,27 @@ def test_bench_smoke_on_cpu_skips_missing_kernels_and_runs_the_reference(tmp_pat
     reference = rows["mamba2-130m lora reference"]
     assert reference["status"] == "ok" and reference["kernel_path"] == "torch-reference"
     assert reference["tokens_per_s"] > 0 and reference["steps"] == 2 and reference["packing"] is False
+    peer = rows["mamba2-130m lora trainer+peft"]  # the peer (issue 30.5): Trainer + PEFT on the same model
+    assert peer["status"] == "ok" and peer["kernel_path"] == "torch-reference (Trainer)", peer
+    assert peer["tokens_per_s"] > 0 and 0 < peer["trainable_params_m"] < peer["total_params_m"]
+    assert peer["first_loss"] is not None
     qlora = rows["mamba2-130m qlora reference"]  # Mamba QLoRA (issue 14 item 3): 4-bit base, LoRA trains
     assert qlora["status"] == "ok" and qlora["method"] == "qlora" and qlora["last_loss"] < qlora["first_loss"]
     assert report["environment"]["cuda"] is False and report["summary"] == []
     table = capsys.readouterr().out
     assert "mamba2-130m lora reference   torch-reference" in table and "SKIPPED: no fast Mamba-2" in table
+
+
+def test_bench_peer_lines_name_the_target():
+    bench = load_bench()
+    kit = {"row": "gla-340m lora", "status": "ok", "tokens_per_s": 90000.0, "peak_gib": 20.0}
+    peer = {"row": "gla-340m lora trainer+peft", "status": "ok", "tokens_per_s": 50000.0, "peak_gib": 24.0}
+    assert bench.ratio_notes([kit, peer]) == [
+        "GLA-340M kit / Trainer + PEFT: 1.80x tokens/s, peak 20.00 / 24.00 GiB "
+        "(meets the 1.5x-at-no-more-memory target)"
+    ]
+    peer["peak_gib"] = 19.0
+    assert "MISSES" in bench.ratio_notes([kit, peer])[0]
 
 
 def test_bench_ratio_lines_name_the_target():
@@ -223,7 +240,7 @@ def test_a_row_past_its_timeout_is_recorded_and_earlier_rows_are_kept(tmp_path, 
     args = ["--only", "mamba2-130m", "--row-timeout", "7", "--out", str(out)]
     assert bench.main(args) == 0
     rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
-    assert len(rows) == 5 and all(timeout == 7 for _, timeout in seen)
+    assert len(rows) == 6 and all(timeout == 7 for _, timeout in seen)
     assert rows["mamba2-130m dora fast"] == {
         "row": "mamba2-130m dora fast", "status": "timeout", "reason": "still running after 7 s"
     }  # fmt: skip

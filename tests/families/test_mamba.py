@@ -472,18 +472,24 @@ def test_mamba1_trains_in_bf16_without_autocast_as_a_gpu_run_does(
     assert set(seen_c) == {torch.bfloat16}
 
 
-def test_mamba2_skips_fla_where_fla_itself_refuses_the_backward(monkeypatch):
-    """On Hopper with triton 3.4-3.7.0 fla raises in the SSD scan's backward (fla #640): the path is not offered,
-    with fla's reason, instead of a self-check that compiles for 107 s (fresh H100) and then fails."""
+def test_mamba2_offers_fla_on_hopper_with_the_kits_gated_backward(monkeypatch):
+    """On Hopper with triton 3.4-3.7.0 fla raises in the SSD scan's backward (fla #640). The path is still
+    offered there: binding it registers the kit's corrected kernel with fla, and the self-check judges."""
     from transformers import Mamba2Config
 
-    from trainer.families import mamba
+    from trainer.families import fla_gated_dqk, mamba
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(mamba, "_importable", lambda name: False)
     monkeypatch.setattr(mamba, "_fla_usable", lambda: True)
-    monkeypatch.setattr(mamba, "_fla_refuses_gated_backward", lambda: None)
+    monkeypatch.setattr(fla_gated_dqk, "affected", lambda: True)
+    assert mamba.kernel_paths(Mamba2Config())["fla-triton-ssd"] is None
     assert mamba.kernel_path(Mamba2Config()) == "fla-triton-ssd"
-    monkeypatch.setattr(mamba, "_fla_refuses_gated_backward", lambda: "fla refuses it here (fla #640)")
-    assert mamba.kernel_paths(Mamba2Config())["fla-triton-ssd"] == "fla refuses it here (fla #640)"
-    assert mamba.kernel_path(Mamba2Config()) == "torch-reference"
+    registered = []
+    monkeypatch.setattr(fla_gated_dqk, "register", lambda: registered.append(True) or True)
+    module, _ = mamba._modeling("mamba2")
+    for name in {*mamba._mixer_calls("mamba2"), *mamba.FLA_SWAPPED}:  # put back after the test
+        monkeypatch.setattr(module, name, getattr(module, name, None), raising=False)
+    mamba.use_kernel_path("mamba2", "fla-triton-ssd")
+    assert registered == [True]
+    assert module.mamba2_chunk_scan is mamba.fla_ssd_scan

@@ -8,7 +8,8 @@ first that can run here and passes its start-up self-check, trainer/families/mam
 - ``fla-triton-ssd`` (Mamba-2, CUDA, no mamba_ssm or mamba_ssm failed its check): the SSD scan is a
   scalar-gated linear attention, so it runs as flash-linear-attention's Triton ``chunk_simple_gla``, the
   short convolution as fla's Triton ``causal_conv1d``. No compiled extension is needed: fla and triton
-  are pure-Python wheels.
+  are pure-Python wheels. On Hopper with triton >= 3.4, < 3.7.1 the scan's gated backward kernel is the
+  kit's corrected copy (trainer/families/fla_gated_dqk.py), which fla refuses to run its own of there.
 - ``mambapy`` (Mamba-1 without mamba_ssm): the mambapy package's parallel scan, pure PyTorch, about
   15x faster than the sequential reference loop on a CPU, where transformers' mixer trains through it
   (``_mambapy_trains``: transformers 5.24 does, after its ``mamba_inner_fn`` finds no mamba_ssm); its
@@ -80,25 +81,6 @@ def _fla_usable() -> bool:
     return all(hasattr(modeling_mamba2, name) and name in called for name in FLA_SWAPPED)
 
 
-def _fla_refuses_gated_backward() -> str | None:
-    """fla's own refusal of the SSD scan's backward on this GPU, or None.
-
-    fla raises in its gated ``chunk_bwd_dqkwg`` on Hopper with triton >= 3.4, < 3.7.1 (a miscompile, fla #640),
-    the kernel the SSD scan's backward needs. Its tilelang backend is no way round it for Mamba-2: it takes
-    only h in q's dtype, and simple GLA keeps h in fp32. Reading fla's own flags skips a self-check that could
-    only fail after compiling (107 s on a fresh H100 with triton 3.6)."""
-    try:
-        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
-    except Exception:  # noqa: BLE001 - another fla: its kernels' self-check decides
-        return None
-    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1:
-        return (
-            "fla refuses the SSD scan's gated backward on Hopper with triton >= 3.4, < 3.7.1 (fla #640); "
-            "a torch whose triton is 3.7.1 or later lifts it"
-        )
-    return None
-
-
 def _mambapy_trains() -> bool:
     """Whether this transformers' Mamba-1 mixer trains through mambapy (where mamba_ssm does not run).
 
@@ -130,9 +112,7 @@ def kernel_paths(hf_config) -> dict[str, str | None]:
     }
     if hf_config.model_type == "mamba2":
         paths[KERNEL_FLA] = (
-            _fla_refuses_gated_backward()
-            if cuda and _fla_usable()
-            else "needs a CUDA GPU with flash-linear-attention and triton"
+            None if cuda and _fla_usable() else "needs a CUDA GPU with flash-linear-attention and triton"
         )
     else:
         paths[KERNEL_MAMBAPY] = (
@@ -260,12 +240,16 @@ _REPLACED: dict[tuple[str, str], object] = {}
 
 
 def use_fla_kernels() -> None:
-    """Point transformers' Mamba-2 mixer at the fla functions above (CUDA only, process-wide)."""
+    """Point transformers' Mamba-2 mixer at the fla functions above (CUDA only, process-wide). Where fla
+    refuses its own gated backward (Hopper, triton >= 3.4, < 3.7.1: fla #640), the kit's corrected copy of
+    that one kernel takes those calls (trainer/families/fla_gated_dqk.py); the self-check still judges."""
     from transformers.models.mamba2 import modeling_mamba2
 
-    from trainer.families import fla_tuning
+    from trainer.families import fla_gated_dqk, fla_tuning
 
     fla_tuning.use_tuned_configs()
+    if fla_gated_dqk.affected():
+        fla_gated_dqk.register()
     for name, fast in zip(FLA_SWAPPED, (fla_ssd_scan, fla_causal_conv1d)):
         _REPLACED.setdefault((modeling_mamba2.__name__, name), getattr(modeling_mamba2, name))
         setattr(modeling_mamba2, name, fast)
