@@ -86,6 +86,9 @@ def run(kernel, lengths, state_v_first, dtype, device) -> dict:
 def main() -> None:
     from trainer.families.fla_gated_dqk import gated_chunk_bwd_dqkwg
 
+    global K, V
+    if "--kv" in sys.argv:  # other head sizes, e.g. --kv 16,32 (a Mamba-2 state of 16, head_dim 32)
+        K, V = map(int, sys.argv[sys.argv.index("--kv") + 1].split(","))
     cuda = torch.cuda.is_available()
     if not cuda:
         assert os.environ.get("TRITON_INTERPRET") == "1", "on a CPU, run with TRITON_INTERPRET=1"

@@ -149,6 +149,22 @@ def test_mamba2_ssd_as_simple_gla_matches_transformers_reference(with_state, dt_
     assert fla_ssd_scan(x, dt, A, B, C, chunk_size=16, op=naive_simple_gla, **args).shape == x.shape
 
 
+def test_mamba2_ssd_scan_runs_in_fp32_from_16_bit_inputs():
+    """fla's gate gradient from 16-bit q, k, v was 2-14x off on an H200 (dt_bias, A_log): the scan gets fp32."""
+    from trainer.families.mamba import fla_ssd_scan
+
+    seen = []
+
+    def op(q, k, v, g, **_):
+        seen.append((q.dtype, k.dtype, v.dtype, g.dtype))
+        return torch.zeros_like(v), None
+
+    x, dt = torch.randn(1, 8, 2, 4).bfloat16(), torch.rand(1, 8, 2).bfloat16()
+    B, C = torch.randn(1, 8, 1, 4).bfloat16(), torch.randn(1, 8, 1, 4).bfloat16()
+    fla_ssd_scan(x, dt, -torch.rand(2), B, C, op=op)
+    assert seen == [(torch.float32,) * 4]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant, init", VARIANTS)
 @pytest.mark.parametrize("model", list(MODELS))
