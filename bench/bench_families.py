@@ -404,6 +404,10 @@ def trainer_row(folder: Path, row: Row, seq: int, steps: int, device) -> dict:
     if kind == "gla":
         import fla  # noqa: F401 - registers the gla classes
 
+        from trainer.families import fla_tuning
+
+        fla_tuning.use_tuned_configs()  # the kit's shipped Triton configs, as the kit's own row has them
+
         targets = "all-linear"
     else:  # transformers' own classes: `import fla` points the Auto classes at fla's Mamba models
         config_class, model_class = mamba._transformers_classes(kind)
