@@ -10,6 +10,7 @@ first that can run here and passes its start-up self-check, trainer/families/mam
   short convolution as fla's Triton ``causal_conv1d``. No compiled extension is needed: fla and triton
   are pure-Python wheels. On Hopper with triton >= 3.4, < 3.7.1 the scan's gated backward kernel is the
   kit's corrected copy (trainer/families/fla_gated_dqk.py), which fla refuses to run its own of there.
+  The scan runs in fp32 (``fla_ssd_scan``): fla's gate gradient does not survive 16-bit inputs.
 - ``mambapy`` (Mamba-1 without mamba_ssm): the mambapy package's parallel scan, pure PyTorch, about
   15x faster than the sequential reference loop on a CPU, where transformers' mixer trains through it
   (``_mambapy_trains``: transformers 5.24 does, after its ``mamba_inner_fn`` finds no mamba_ssm); its
