@@ -167,20 +167,25 @@ def summarise_run(run: Path, warmup: int) -> dict:
 
 
 def run_ours(
-    root: Path, name: str, model: Path, method: str, steps: int, checkpointing: bool, targets, **extra
+    root: Path,
+    name: str,
+    model: Path,
+    method: str,
+    steps: int,
+    checkpointing: bool,
+    targets,
+    timeout: float = 900,
+    **extra,
 ) -> dict:
     out = root / name.replace(" ", "_").replace("+", "-")
     shutil.rmtree(out, ignore_errors=True)
     config = trainer_config(out, model, method, steps, checkpointing, targets, **extra)
     started = time.time()
-    result = subprocess.run(
-        [sys.executable, "-m", "trainer", "train", "--config", str(config)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    command = [sys.executable, "-m", "trainer", "train", "--config", str(config)]
+    result = harness.run_child(command, timeout, cwd=REPO)
     row = {"name": name, "impl": "ours", "run_dir": str(out), "wall_s": round(time.time() - started, 1)}
+    if result.returncode == harness.TIMED_OUT:  # a row, so the other settings of the call still print
+        return {**row, "error": f"timed out after {timeout:.0f} s: {harness.output_tail(result, 300)}"}
     if result.returncode != 0:
         return {**row, "error": harness.output_tail(result, 1500)}
     return {**row, **summarise_run(out, warmup=5)}

@@ -310,3 +310,21 @@ def test_resume_check_kills_resumes_and_reads_the_checkpoint_optimizer_state(tmp
     state = result["optimizer_state"]
     assert state["every_param_has_state"] and state["identical_after_load"], state
     assert state["expected_params"] == 2 * 2 * 7  # lora_A and lora_B on seven projections, two layers
+
+
+def test_a_run_of_ours_past_its_timeout_is_a_row_with_the_error(tmp_path, monkeypatch):
+    """A setting that hangs must not lose the call's other rows: it comes back as a row saying so."""
+    import subprocess
+
+    seen = {}
+
+    def run_child(command, timeout=None, cwd=None, env=None):
+        seen.update(command=command, timeout=timeout)
+        return subprocess.CompletedProcess(command, bench.harness.TIMED_OUT, "", "step 3 of 20\n")
+
+    monkeypatch.setattr(bench.harness, "run_child", run_child)
+    monkeypatch.setattr(bench, "trainer_config", lambda out, *a, **k: tmp_path / "config.yaml")
+    got = bench.run_ours(tmp_path, "llama lora+gc", tmp_path, "lora", 20, True, None, timeout=5)
+    assert seen["timeout"] == 5 and seen["command"][-2:] == ["--config", str(tmp_path / "config.yaml")]
+    assert got["impl"] == "ours" and got["name"] == "llama lora+gc"
+    assert got["error"].startswith("timed out after 5 s") and "step 3 of 20" in got["error"]
