@@ -1,4 +1,5 @@
-"""bench/bench_families.py's peer rows: transformers' Trainer + PEFT on the same model folder and kernels (issue 30)."""
+"""bench/bench_families.py's peer rows: transformers' Trainer + PEFT on the same model folder and kernels
+(issue 30)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from pathlib import Path
 
 
 def trainer_row(folder: Path, row, seq: int, steps: int, device) -> dict:
-    """``row`` (a bench_families ``Row``): transformers' Trainer + PEFT LoRA (r16, alpha 32, the kit row's targets) on the same random-init model,
-    with the kernels the kit's row runs: fla's model (GLA), and for Mamba the path the family picks, bound
-    process-wide before the model is built. bf16 autocast over bf16 weights (``bf16=True``), as the kit's rows.
-    Tokens/s over the timed steps' own time (the callbacks exclude data loading: in the peer's favour)."""
+    """Transformers' Trainer + PEFT LoRA (r16, alpha 32, the kit row's targets) for ``row`` (a bench_families
+    ``Row``) on the same random-init model, with the kernels the kit's row runs: fla's model (GLA), and for
+    Mamba the path the family picks, bound process-wide before the model is built. bf16 autocast over bf16
+    weights (``bf16=True``), as the kit's rows. Tokens/s over the timed steps' own time (the callbacks exclude
+    data loading: in the peer's favour)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -26,7 +28,6 @@ def trainer_row(folder: Path, row, seq: int, steps: int, device) -> dict:
         from trainer.families import fla_tuning
 
         fla_tuning.use_tuned_configs()  # the kit's shipped Triton configs, as the kit's own row has them
-
         targets = "all-linear"
     else:  # transformers' own classes: `import fla` points the Auto classes at fla's Mamba models
         config_class, model_class = mamba._transformers_classes(kind)

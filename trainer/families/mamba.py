@@ -203,9 +203,8 @@ def fla_ssd_scan(
     # g = dt A: dt_bias and A_log) as sum(dq q) - sum(dk k), a difference of near-equal sums; from 16-bit
     # q, k, v it came out 2-14x off (relative) on an H200, with fla's own kernel and the kit's alike, while
     # every other gradient was within 2%. In fp32 (TF32 products) it is within 1%.
-    dtype = torch.float32
-    q = C.repeat_interleave(heads // groups, dim=2).to(dtype)
-    k = B.repeat_interleave(heads // groups, dim=2).to(dtype)
+    q = C.repeat_interleave(heads // groups, dim=2).float()
+    k = B.repeat_interleave(heads // groups, dim=2).float()
     v = hidden_states.float() * dt.float()[..., None]
     g = dt.float() * A.float()
     o, final = op(
