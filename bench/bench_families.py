@@ -336,8 +336,11 @@ def reference_ops(kind: str):
             yield
 
 
-def timed_training(loaded, cfg, row: Row, seq: int, steps: int, device, vocab: int) -> dict:
-    """Warm-up, then ``steps`` timed optimizer steps on one random batch; the reference check last."""
+def timed_training(
+    loaded, cfg, row: Row, seq: int, steps: int, device, vocab: int, profile: bool = False
+) -> dict:
+    """Warm-up, then ``steps`` timed optimizer steps on one random batch; with ``profile``, two more under
+    torch.profiler (kernel time by category: bench/kernel_profile.py); the reference check last."""
     import torch
 
     from trainer.data.dataset import Sequence, collate
@@ -351,6 +354,11 @@ def timed_training(loaded, cfg, row: Row, seq: int, steps: int, device, vocab: i
         total_params_m=round(loaded.report["total_params"] / 1e6, 1),
         trainable_params_m=round(loaded.report["trainable_params"] / 1e6, 2),
         packing=loaded.family.packing,
+        fast_path={
+            k: v
+            for k, v in loaded.report.get("fast_path", {}).items()
+            if k in ("enabled", "reason", "fused_loss", "lora_modules_fused", "rms_norm", "family_modules")
+        },
     )
     gen = torch.Generator().manual_seed(0)
     rows_ = [torch.randint(3, vocab, (seq,), generator=gen).tolist() for _ in range(row.batch)]
@@ -361,20 +369,28 @@ def timed_training(loaded, cfg, row: Row, seq: int, steps: int, device, vocab: i
     model.train()
     warmup = min(3, steps)
     losses = []
+
+    def train_step(_=None):
+        optimizer.zero_grad(set_to_none=True)
+        ce_sum, _ = kernels.loss(model, batch, accel)
+        (ce_sum / targets).backward()
+        optimizer.step()
+        return ce_sum
+
     for i in range(warmup + steps):
         if i == warmup:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        ce_sum, _ = kernels.loss(model, batch, accel)
-        (ce_sum / targets).backward()
-        optimizer.step()
-        losses.append(float(ce_sum.detach()) / targets)
+        losses.append(float(train_step().detach()) / targets)
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
+    if profile and cuda:
+        from bench import kernel_profile
+
+        result.update(kernel_profile.profile_steps(train_step, 2))
     result.update(
         status="ok",
         tokens_per_s=round(row.batch * seq * steps / elapsed, 1),
@@ -387,7 +403,7 @@ def timed_training(loaded, cfg, row: Row, seq: int, steps: int, device, vocab: i
     return result
 
 
-def run_row(row: Row, steps: int, seq: int, smoke: bool) -> dict:
+def run_row(row: Row, steps: int, seq: int, smoke: bool, profile: bool = False) -> dict:
     import torch
 
     from trainer.model.loading import load_for_training
@@ -419,15 +435,16 @@ def run_row(row: Row, steps: int, seq: int, smoke: bool) -> dict:
             if row.path == "reference":  # model.kernel_path picks it; the ops stay unbound for the whole row
                 stack.enter_context(reference_ops(model_config["model_type"]))
             loaded = load_for_training(cfg, device)
-            result.update(timed_training(loaded, cfg, row, seq, steps, device, model_config["vocab_size"]))
+            vocab = model_config["vocab_size"]
+            result.update(timed_training(loaded, cfg, row, seq, steps, device, vocab, profile))
         return result
 
 
-def run_row_safely(row: Row, steps: int, seq: int, smoke: bool) -> dict:
+def run_row_safely(row: Row, steps: int, seq: int, smoke: bool, profile: bool = False) -> dict:
     import torch
 
     try:
-        return run_row(row, steps, seq, smoke)
+        return run_row(row, steps, seq, smoke, profile)
     except torch.cuda.OutOfMemoryError as exc:
         return {"row": row.name, "status": "oom", "reason": str(exc).splitlines()[0][:200]}
     except Exception as exc:  # noqa: BLE001 - one broken row must not hide the others
@@ -582,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
         help="Triton autotunes over at most this many configs per kernel (fla's first-use autotuning of "
         "fp32 kernels outlasts a 10-minute call; the figures are checks, not timings)",
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="kit rows: kernel time by category over two extra steps (GPU)"
+    )
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run this one row, print its JSON
     args = parser.parse_args(argv)
     if args.autotune_configs:
@@ -592,7 +612,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.row is not None:
         row = next(r for r in rows(args) if r.name == args.row)
-        print("ROW-RESULT " + json.dumps(run_row_safely(row, args.steps, args.seq, args.smoke)), flush=True)
+        print(
+            "ROW-RESULT " + json.dumps(run_row_safely(row, args.steps, args.seq, args.smoke, args.profile)),
+            flush=True,
+        )
         return 0
 
     results = []
@@ -601,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"== {row.name}", file=sys.stderr, flush=True)
         if args.inline:
-            results.append(run_row_safely(row, args.steps, args.seq, args.smoke))
+            results.append(run_row_safely(row, args.steps, args.seq, args.smoke, args.profile))
         else:
             results.append(run_row_child(row, args, argv))
         write_report(args.out, results)  # after every row: a call cut short keeps the rows it finished

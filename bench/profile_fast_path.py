@@ -12,37 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import harness  # noqa: E402
-
-CATEGORIES = [
-    ("dequant (NF4)", r"dequant|kDequantize"),
-    ("attention", r"flash|fmha|attention|sdpa|efficient_attention"),
-    ("loss (CE)", r"cross_entropy|liger_cross|_ce_|log_softmax|nll_loss|element_mul_kernel"),
-    ("norm", r"rms_norm|rmsnorm|layer_norm|_rms_"),
-    ("rope", r"rope|rotary"),
-    ("swiglu / act", r"swiglu|silu|gelu"),
-    ("gemm", r"gemm|sm90_xmma|cutlass|nvjet|cublas|matmul|gemv|splitKreduce"),
-    ("copy / cast", r"copy|cast|to_copy|convert|CatArrayBatched|fill"),
-    ("optimizer", r"adam|multi_tensor|foreach"),
-    ("elementwise", r"elementwise|vectorized|reduce|unrolled"),
-]
-
-
-def category(name: str) -> str:
-    for label, pattern in CATEGORIES:
-        if re.search(pattern, name, re.IGNORECASE):
-            return label
-    return "other"
+from bench import harness, kernel_profile  # noqa: E402
 
 
 def make_cfg(args, out: Path):
@@ -167,48 +145,12 @@ def time_and_profile(args, out):
         "host": probe,
     }
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            for i in range(2):
-                step(model, opt, batch_of(args, 200 + i), accel)
-            torch.cuda.synchronize()
-        by_cat = defaultdict(float)
-        by_kernel = defaultdict(float)
-        for evt in prof.key_averages():
-            if evt.device_type.name != "CUDA":  # kernels only; CPU ops would count their kernels twice
-                continue
-            t = evt.self_device_time_total / 1000 / 2  # ms per step
-            by_cat[category(evt.key)] += t
-            by_kernel[evt.key[:90]] += t
-        row["profile_ms_per_step"] = {
-            k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])
-        }
-        row["top_kernels"] = {
-            k: round(v, 2) for k, v in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:25]
-        }
-        row["gpu_busy_ms"] = round(sum(by_cat.values()), 1)
-        cpu_ops = [e for e in prof.key_averages() if e.device_type.name == "CPU"]
-        row["kernel_launches_per_step"] = (
-            sum(
-                e.count
-                for e in cpu_ops
-                if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+        trace = str(out / f"trace-{args.method}-{args.fast}.json") if args.trace else None
+        row.update(
+            kernel_profile.profile_steps(
+                lambda i, m=model, o=opt: step(m, o, batch_of(args, 200 + i), accel), 2, trace=trace
             )
-            // 2
         )
-        row["top_cpu_self_ms"] = {
-            e.key[:60]: round(e.self_cpu_time_total / 1000 / 2, 2)
-            for e in sorted(cpu_ops, key=lambda e: -e.self_cpu_time_total)[:15]
-        }
-        if args.trace:
-            import gzip
-            import shutil
-
-            raw = out / f"trace-{args.method}-{args.fast}.json"
-            prof.export_chrome_trace(str(raw))
-            with open(raw, "rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
     del model, opt
     torch.cuda.empty_cache()
     return row

@@ -40,6 +40,9 @@ def test_bench_smoke_on_cpu_skips_missing_kernels_and_runs_the_reference(tmp_pat
         assert rows[name]["status"] == "skipped" and "no fast Mamba-2 kernels" in rows[name]["reason"]
     reference = rows["mamba2-130m lora reference"]
     assert reference["status"] == "ok" and reference["kernel_path"] == "torch-reference"
+    assert (
+        reference["fast_path"]["enabled"] is False and "reference kernels" in reference["fast_path"]["reason"]
+    )
     assert reference["tokens_per_s"] > 0 and reference["steps"] == 2 and reference["packing"] is False
     peer = rows["mamba2-130m lora trainer+peft"]  # the peer (issue 30.5): Trainer + PEFT on the same model
     assert peer["status"] == "ok" and peer["kernel_path"] == "torch-reference (Trainer)", peer
@@ -50,6 +53,19 @@ def test_bench_smoke_on_cpu_skips_missing_kernels_and_runs_the_reference(tmp_pat
     assert report["environment"]["cuda"] is False and report["summary"] == []
     table = capsys.readouterr().out
     assert "mamba2-130m lora reference   torch-reference" in table and "SKIPPED: no fast Mamba-2" in table
+
+
+def test_kernel_profile_sorts_the_families_kernels_into_their_categories():
+    sys.path.insert(0, str(REPO))
+    from bench.kernel_profile import category
+
+    assert category("chunk_fwd_kernel_h") == category("_gated_dqk_kernel") == "scan / conv (fla, mamba_ssm)"
+    assert category("causal_conv1d_bwd_kernel") == "scan / conv (fla, mamba_ssm)"
+    assert category("layer_norm_bwd_kernel_group") == "norm"
+    assert category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert category("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel") == (
+        "copy / cast"
+    )
 
 
 def test_bench_peer_lines_name_the_target():

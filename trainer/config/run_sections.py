@@ -137,8 +137,8 @@ class PerformanceConfig:
     tf32: Bool = True
     """Let float32 matmuls use TF32 tensor cores (CUDA)."""
     fast_path: Literal["auto", "on", "off"] = "auto"
-    """CUDA fast path for causal LMs (trainer/fastpath, docs/fastpath.md): auto takes it where it applies, on
-    insists, off never."""
+    """CUDA fast path for causal LMs, and its LoRA, norm and loss pieces for Mamba on a fast kernel path
+    (trainer/fastpath, docs/fastpath.md): auto takes it where it applies, on insists, off never."""
     data_workers: Int = limit(0, ge=0)
     """Processes that tokenize and pack the data into its cache (once per data, tokenizer and settings);
     0: one per CPU core this process may use, at most 16."""

@@ -78,6 +78,10 @@ def _no_checks(hf_config, path: str) -> dict:
     return {}
 
 
+def _no_fast_modules(model, path: str) -> dict:
+    return {}
+
+
 # The kernel path chosen for each model type while a model is being set up (trainer/model/kernel_choice.py:
 # a failed self-check or ``model.kernel_path`` can move a run off the first usable path); the families'
 # ``kernel_path`` hooks answer with it, so every hook agrees on the path that will run.
@@ -124,6 +128,9 @@ class Family:
     reference; empty for a reference path), run on a GPU by trainer/model/kernel_choice.py;
     ``kernel_path(hf_config)`` names the implementation that will run (``current_kernel_path``: the one
     chosen, while the model is set up; the ``model_report`` event), and ``load`` binds its kernels;
+    ``fast_checks(hf_config, path)`` and ``fast_modules(model, path)``: on a CUDA fast path, the family's
+    own module swaps onto fused kernels (trainer/fastpath ``apply_to_family``: checks like kernel_checks',
+    and the swap itself, returning name -> modules swapped);
     ``check_lora(cfg, hf_config, targets)`` raises ``ModelLoadError`` for LoRA settings the family
     cannot train, before any weights load; ``quantization_skip(hf_config, cfg)`` lists modules that
     bitsandbytes must leave unquantized; ``model_inputs(batch)`` turns a collated batch into the
@@ -144,5 +151,10 @@ class Family:
     kernel_path: Callable[[Any], str] = _transformers_kernels
     kernel_paths: Callable[[Any], dict[str, str | None]] = _transformers_paths
     kernel_checks: Callable[[Any, str], dict] = _no_checks
+    # Whether a CUDA run of this family takes the fast path's fused LoRA projections and loss beside its own
+    # kernels (trainer/model/loading.py ``family_fast_path``); GLA does not: measured, it bought nothing there.
+    fast_path: bool = False
+    fast_checks: Callable[[Any, str], dict] = _no_checks
+    fast_modules: Callable[[Any, str], dict] = _no_fast_modules
     quantization_skip: Callable[[Any, Any], tuple[str, ...]] = _nothing_to_skip
     check_lora: Callable[[Any, Any, Any], None] = _nothing

@@ -140,6 +140,16 @@ def _gated_dqk_kernel(
     tl.store(dg + o_t * HV, b_dg.to(dg.dtype.element_ty), mask=m_t)
 
 
+def launch_config(K: int, V: int) -> dict:
+    """Block sizes, warps and stages of the kernel for head sizes K, V (fixed: nothing to autotune at start-up)."""
+    return {
+        "BK": min(max(triton.next_power_of_2(K), 16), 64),
+        "BV": min(max(triton.next_power_of_2(V), 16), 64),
+        "num_warps": 4,
+        "num_stages": 2,
+    }
+
+
 def gated_chunk_bwd_dqkwg(
     q,
     k,
@@ -168,8 +178,8 @@ def gated_chunk_bwd_dqkwg(
     if chunk_indices is None and cu_seqlens is not None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, BT)
     NT = triton.cdiv(T, BT) if cu_seqlens is None else len(chunk_indices)
-    BK = min(max(triton.next_power_of_2(K), 16), 64)
-    BV = min(max(triton.next_power_of_2(V), 16), 64)
+    launch = launch_config(K, V)
+    BK, BV = launch["BK"], launch["BV"]
     NK = triton.cdiv(K, BK)
     if scale is None:
         scale = K**-0.5
@@ -180,7 +190,7 @@ def gated_chunk_bwd_dqkwg(
         q, k, v, g, h, do, dh, dq, dk, dg, cu_seqlens, chunk_indices, scale,
         B=B, T=T, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, NK=NK,
         STATE_V_FIRST=state_v_first, IS_VARLEN=cu_seqlens is not None,
-        num_warps=4, num_stages=2,
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )  # fmt: skip
     if H != HV:
         dq = dq.view(B, T, H, HV // H, K).sum(3)

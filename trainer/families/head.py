@@ -16,6 +16,9 @@ PLAIN_HEAD_MODEL_TYPES = frozenset(
     {
         "llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "olmoe",
         "phi3", "deepseek_v3",
+        # transformers' Mamba heads cast the hidden states to the head's dtype first (the losses do the same);
+        # fla's GLA head, without labels, is the plain projection
+        "mamba", "mamba2", "gla",
     }
 )  # fmt: skip
 

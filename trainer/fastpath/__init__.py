@@ -55,6 +55,7 @@ class FastPathReport:
     rms_norm: str = "torch"
     offloaded_layers: int = 0  # checkpointed decoder layers whose inputs wait in pinned host memory
     moe_experts_grouped: int = 0  # 4-bit experts modules on one dequantization + grouped GEMM per projection
+    family_modules: dict = field(default_factory=dict)  # GLA/Mamba: the family's own swaps (name -> modules)
     self_check: list = field(default_factory=list)  # KernelCheck.as_dict() of each kernel checked
 
     def as_dict(self) -> dict:
@@ -183,6 +184,42 @@ def apply(model, decision: Decision, rms_norm: str = "torch", offload: bool = Fa
     setattr(target, ENABLED_ATTRIBUTE, report.fused_loss)
     if report.lora_modules_fused == 0 and lora_module_count(model) == 0:
         report.reason = "no LoRA modules (full fine-tuning): kernels and loss only"
+    return report
+
+
+def family_checks(method: str, extra: dict | None = None) -> dict:
+    """The shipped checks a GLA or Mamba run's fast path needs (its LoRA projections, on a 4-bit base for
+    QLoRA, and its loss), plus the family's own fast-path checks (``extra``). The family's sequence-mixing
+    kernels have their own check (trainer/model/kernel_choice.py)."""
+    names = ["fused_cross_entropy"]
+    if method in ("lora", "qlora"):
+        names.append("lora_linear")
+    if method == "qlora":
+        names.append("lora_linear_nf4")
+    return {**{name: selfcheck.CHECKS[name] for name in names}, **(extra or {})}
+
+
+def apply_to_family(model, decision: Decision, family_modules=None) -> FastPathReport:
+    """The fast path on a GLA or Mamba model, whose sequence mixing runs the family's own kernels: each plain
+    LoRA projection as one node, RMSNorm through ``F.rms_norm``, the fused linear cross-entropy where the
+    logits are exactly ``lm_head(hidden)``, and ``family_modules(model)`` (the family's swaps of its own
+    modules onto fused kernels; returns name -> modules swapped). No Liger model patch, MLP or Q/K/V
+    grouping: those follow transformers' causal layers."""
+    target = model_head.unwrap(model)
+    checks = [c.as_dict() for c in decision.checks]
+    if not decision.enabled:
+        setattr(target, ENABLED_ATTRIBUTE, False)
+        return FastPathReport(enabled=False, reason=decision.reason, self_check=checks)
+    report = FastPathReport(enabled=True, self_check=checks)
+    report.rms_norm = f"torch ({use_torch_rms_norm(model)} modules)"
+    report.lora_modules_fused, report.lora_modules_reference = patch_lora_linears(model)
+    if family_modules is not None:
+        report.family_modules = family_modules(model)
+    head = model_head.output_head(model)
+    report.fused_loss = (
+        model_head.supports_chunked_loss(model) and type(head) is torch.nn.Linear and head.bias is None
+    )
+    setattr(target, ENABLED_ATTRIBUTE, report.fused_loss)
     return report
 
 

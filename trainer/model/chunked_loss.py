@@ -42,6 +42,13 @@ def enabled(model) -> bool:
 
 
 def _chunk_ce(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    weight = getattr(head, "weight", None)
+    if (
+        weight is not None
+        and weight.is_floating_point()
+        and not torch.is_autocast_enabled(hidden.device.type)
+    ):
+        hidden = hidden.to(weight.dtype)  # a Mamba model hands its hidden states back in fp32 (``.float()``)
     logits = type(head).forward(head, hidden).float()
     return F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
 

@@ -402,6 +402,30 @@ def keeps_16bit_under_qlora(family: Family, hf_config, kernel_path: str, device,
     return own_kernels and torch.device(device).type == "cuda"
 
 
+def family_fast_path(cfg: Config, family: Family, hf_config, kernel_path: str, device, compute, choice):
+    """A GLA or Mamba run's fast path (fused LoRA projections and loss, the family's own module swaps) rides
+    on its sequence-mixing kernels: only on a path that has a self-check and passed it, never on a reference
+    path. Its ``self_check`` lists the family's kernel checks, then the fast path's own."""
+    mode = cfg.performance.fast_path
+    if mode == "off":
+        return fastpath.Decision(False, "performance.fast_path: off", choice.checks)
+    if not family.fast_path:
+        # GLA-340M on an H100: the step is host-bound (143 of ~290 ms on the GPU), and the fused LoRA nodes
+        # and loss gave no tokens/s over fla's own modules (56.7k against 60.1k, same call); chunked loss
+        # (memory.chunked_loss) keeps its memory saving.
+        return fastpath.Decision(
+            False, f"the {family.name} family runs its own kernels ({kernel_path})", choice.checks
+        )
+    if torch.device(device).type != "cuda" or not family.kernel_checks(hf_config, kernel_path):
+        reason = f"the {family.name} family runs its reference kernels here ({kernel_path})"
+        if mode == "on":
+            raise fastpath.FastPathUnavailable(f"performance.fast_path: on, but {reason}")
+        return fastpath.Decision(False, reason, choice.checks)
+    checks = fastpath.family_checks(cfg.training.method, family.fast_checks(hf_config, kernel_path))
+    decided = fastpath.decide(mode, device, compute, checks)
+    return fastpath.Decision(decided.enabled, decided.reason, tuple(choice.checks) + decided.checks)
+
+
 def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
     """The model on the chosen kernel path, with adapters and the fast path where they apply; its report,
     and what sharded loading kept for the shards (None when it does not apply)."""
@@ -420,9 +444,7 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
     elif family.name == "causal":
         fast = fastpath.decide(cfg.performance.fast_path, device, compute)
     else:
-        fast = fastpath.Decision(
-            False, f"the {family.name} family runs its own kernels ({kernel_path})", choice.checks
-        )
+        fast = family_fast_path(cfg, family, hf_config, kernel_path, device, compute, choice)
     shards = sharded_loading(cfg)
     if shards is not None and cfg.lora.target_parameters and not cfg.quantization.quantize_experts:
         raise ModelLoadError(
@@ -455,11 +477,19 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
         shards.to_meta(model)  # true shapes, no bytes: fully_shard cuts them, the kept chunks fill them
     report = size_report(model, cfg.training.method)
     offload = cfg.memory.gradient_checkpointing and cfg.memory.offload_checkpoints
-    fast_report = fastpath.apply(model, fast, offload=offload and cfg.training.method in ("lora", "qlora"))
+    if family.name == "causal":
+        fast_report = fastpath.apply(
+            model, fast, offload=offload and cfg.training.method in ("lora", "qlora")
+        )
+    else:
+        fast_report = fastpath.apply_to_family(model, fast, lambda m: family.fast_modules(m, kernel_path))
     report["fast_path"] = fast_report.as_dict()
-    if fast_report.enabled:
+    if fast_report.enabled and family.name == "causal":
         report.update(fast_attention.apply(model, device, cfg.data.packing, cfg.model.attn_implementation))
         print(f"fast path: {fast_report.as_dict()}, attention {report['attention']}", flush=True)
+    elif fast_report.enabled:
+        shown = ("fused_loss", "lora_modules_fused", "rms_norm", "family_modules")
+        print(f"fast path: {({k: v for k, v in fast_report.as_dict().items() if k in shown})}", flush=True)
     fused = fast_report.fused_loss
     report["chunked_loss"] = chunked_loss.enable(model, cfg.memory.chunked_loss and not fused)
     report["kernel_path"] = kernel_path
