@@ -17,7 +17,10 @@ CATEGORIES = [
     ("attention", r"flash|fmha|attention|sdpa|efficient_attention"),
     ("loss (CE)", r"cross_entropy|liger_cross|_ce_|log_softmax|nll_loss|element_mul_kernel"),
     ("norm", r"rms_norm|rmsnorm|layer_norm|_rms_"),
-    ("scan / conv (fla, mamba_ssm)", r"chunk_|_chunk|_dqk|causal_conv1d|selective_scan|ssd|state_passing|cumsum"),
+    (
+        "scan / conv (fla, mamba_ssm)",
+        r"chunk_|_chunk|_dqk|causal_conv1d|selective_scan|ssd|state_passing|cumsum",
+    ),
     ("rope", r"rope|rotary"),
     ("swiglu / act", r"swiglu|silu|gelu|softplus"),
     ("gemm", r"gemm|sm90_xmma|cutlass|nvjet|cublas|matmul|gemv|splitKreduce"),

@@ -489,7 +489,8 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
         print(f"fast path: {fast_report.as_dict()}, attention {report['attention']}", flush=True)
     elif fast_report.enabled:
         shown = ("fused_loss", "lora_modules_fused", "rms_norm", "family_modules")
-        print(f"fast path: {({k: v for k, v in fast_report.as_dict().items() if k in shown})}", flush=True)
+        summary = {k: v for k, v in fast_report.as_dict().items() if k in shown}
+        print(f"fast path: {summary}", flush=True)
     fused = fast_report.fused_loss
     report["chunked_loss"] = chunked_loss.enable(model, cfg.memory.chunked_loss and not fused)
     report["kernel_path"] = kernel_path
