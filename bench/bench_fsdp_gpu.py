@@ -8,9 +8,11 @@ model follows from the per-layer one (printed as "per layer"). The random weight
 memory (training_log.jsonl `peak_mem_mb`, steps after the first) and the median tokens/s of all ranks; FSDP
 cells add each rank's parameter bytes after sharding (the trainer's "fsdp sharded" line).
 
-FSDP cannot take the CUDA fast path (its fused kernels read whole weights), so the memory section's DDP cells
-run the reference path too (performance.fast_path: off): the comparison isolates sharding. A last "ddp+fast"
-row per model shows DDP on one GPU as users get it (fast path on).
+The memory section's DDP and FSDP cells run the reference path (performance.fast_path: off): the comparison
+isolates sharding. A "ddp+fast" row per model shows DDP on one GPU as users get it (fast path on). Mode
+"fsdp+fast" (not in the default set) adds, on each larger GPU count, FSDP with the fast path (its fused LoRA
+nodes on the weights FSDP gathers; the loss chunked) and DDP with the fast path on as many GPUs: the pair
+issue 31 compares (tokens/s per GPU of FSDP at least 0.9x DDP's).
 
 Each finished cell is printed as a JSON line and written into report.json at once, so a run cut short keeps
 what finished; --budget S starts no cell after S seconds and stops a running one at S (status "timeout").
@@ -197,7 +199,19 @@ def figures(run: Path, gpus: int) -> dict:
         "peak_gib": round(peak / 1024, 2) if peak else None,
         "tokens_per_s_per_gpu": round(total / gpus) if total else None,
         "losses": [r["loss"] for r in recs],
+        "fast_path": fast_path_ran(run),
     }
+
+
+def fast_path_ran(run: Path) -> str:
+    """What the run's model report says of the fast path: off (and why), or the fused LoRA nodes it ran."""
+    report = next(
+        (e for e in iter_records(run / "logs" / "events.jsonl") if e.get("event") == "model_report"), {}
+    )
+    fast = report.get("fast_path") or {}
+    if not fast.get("enabled"):
+        return f"off: {fast.get('reason', '?')}"
+    return f"on: {fast.get('lora_modules_fused', 0)} LoRA nodes, fused loss {fast.get('fused_loss')}"
 
 
 def bytes_per_param(method: str, mode: str) -> float:
@@ -205,7 +219,7 @@ def bytes_per_param(method: str, mode: str) -> float:
     gradient and AdamW's two moments, in bf16 under DDP and in fp32 under FSDP (accelerate keeps FSDP's
     trainable parameters as fp32 masters under mixed precision)."""
     if method == "full":
-        return 16.0 if mode == "fsdp" else 8.0
+        return 16.0 if mode.startswith("fsdp") else 8.0
     return {"qlora": 0.53, "lora": 2.0}[method]
 
 
@@ -228,7 +242,7 @@ def full_model_gib(row: dict, per_layer: int, full_layers: int) -> float | None:
     if not row.get("peak_gib"):
         return None
     missing = (full_layers - row["layers"]) * per_layer * bytes_per_param(row["method"], row["mode"]) / 2**30
-    return round(row["peak_gib"] + missing / (row["gpus"] if row["mode"] == "fsdp" else 1), 1)
+    return round(row["peak_gib"] + missing / (row["gpus"] if row["mode"].startswith("fsdp") else 1), 1)
 
 
 def oom(result: subprocess.CompletedProcess) -> bool:
@@ -252,7 +266,7 @@ def memory_cells(args, models: dict) -> list[tuple[str, str, str, int]]:
     throughput it is compared with), then DDP with the fast path (the context: what FSDP gives up)."""
     several = [g for g in args.gpus if g > 1]
     modes = set(args.modes)
-    ladder, throughput, context = [], [], []
+    ladder, throughput, context, fast = [], [], [], []
     for name in models:
         for method in args.methods:
             if 1 in args.gpus:
@@ -261,7 +275,10 @@ def memory_cells(args, models: dict) -> list[tuple[str, str, str, int]]:
             throughput += [(name, method, "ddp", g) for g in several]
             if 1 in args.gpus and not args.smoke:
                 context.append((name, method, "ddp+fast", 1))
-    return [cell for cell in ladder + throughput + context if cell[2] in modes]
+            if "fsdp+fast" in modes and not args.smoke:
+                for g in several:
+                    fast += [(name, method, "fsdp+fast", g), (name, method, "ddp+fast", g)]
+    return [cell for cell in ladder + throughput + context + fast if cell[2] in modes]
 
 
 def memory(args, models: dict, out: Path, report: Report) -> None:
@@ -272,9 +289,9 @@ def memory(args, models: dict, out: Path, report: Report) -> None:
         if args.budget.spent():
             report.add("memory", {**row, "status": "skipped (budget)"})
             continue
-        distributed = "fsdp" if mode == "fsdp" else "ddp"
+        distributed = "fsdp" if mode.startswith("fsdp") else "ddp"
         run = out / "memory" / f"{name}-{method}-{mode}-{gpus}"
-        fast_path = "auto" if mode == "ddp+fast" else "off"
+        fast_path = "auto" if mode.endswith("+fast") else "off"
         started = time.monotonic()
         result = train(
             cell_config(run, folder, method, distributed, gpus, args, fast_path=fast_path), gpus, args
@@ -548,9 +565,9 @@ def main(argv: list[str] | None = None) -> int:
         args.gpus = [g for g in (1, 2, 4) if g <= here]
     args.methods = args.methods.split(",")
     args.modes = args.modes.split(",")
-    unknown = set(args.modes) - {"ddp", "fsdp", "ddp+fast"}
+    unknown = set(args.modes) - {"ddp", "fsdp", "ddp+fast", "fsdp+fast"}
     if unknown:
-        parser.error(f"--modes: unknown {sorted(unknown)}; expected ddp, fsdp or ddp+fast")
+        parser.error(f"--modes: unknown {sorted(unknown)}; expected ddp, fsdp, ddp+fast or fsdp+fast")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out / "report.json", args)
@@ -575,10 +592,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\nper-GPU peak memory and throughput (rank 0's peak allocated; tokens/s per GPU):")
         cols = ["model", "layers", "method", "mode", "gpus", "peak_gib", "params_mib_max_rank"]
         cols += ["tokens_per_s_per_gpu"] + sorted({k for r in rows for k in r if k.startswith("full_")})
-        print(table(rows, cols + ["seconds", "status"]))
+        print(table(rows, cols + ["fast_path", "seconds", "status"]))
         print(
             "full_*: the measured peak plus the left-out layers' weights (divided among the GPUs under FSDP); "
-            "ddp and fsdp rows run the reference path, ddp+fast the CUDA fast path"
+            "ddp and fsdp rows run the reference path, ddp+fast and fsdp+fast the CUDA fast path"
         )
     if "equality" in sections:
         equality(args, models, out, report)

@@ -120,6 +120,26 @@ def test_ineligible_modules_keep_pefts_forward(write_config):
     assert patch_lora_linears(dropout) == (0, 14)
 
 
+def test_fused_nodes_read_the_parameters_a_module_holds_at_each_call(write_config):
+    """FSDP2 puts other tensors on a layer's modules than the ones its first forward saw (sharded, or gathered
+    again, and ``fully_shard`` may come after a first forward): the fused node uses, and trains, the ones there now."""
+    model = load(write_config, "lora")
+    patch_lora_linears(model)
+    module = next(m for n, m in model.named_modules() if n.endswith("self_attn.q_proj"))
+    x = torch.randn(2, 5, module.base_layer.in_features)
+    module(x)  # the first call works out (and caches) the module's parts
+    fresh = torch.nn.Parameter(module.lora_B["default"].weight.detach() * 3)
+    module.lora_B["default"].weight = fresh
+    expected = (
+        module.base_layer(x)
+        + module.scaling["default"] * (x @ module.lora_A["default"].weight.t()) @ fresh.t()
+    )
+    out = module(x)
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    assert fresh.grad is not None and fresh.grad.abs().sum() > 0
+
+
 def test_lora_linear_with_bias_and_4bit_base_matches_eager():
     bnb = pytest.importorskip("bitsandbytes")
     import bitsandbytes.functional as bnbf
@@ -516,7 +536,8 @@ def test_offloader_prefetches_in_backward_order_and_forgets_abandoned_forwards(m
 
 
 def test_offloading_follows_the_memory_setting(write_config, monkeypatch):
-    """memory.offload_checkpoints reaches the fast path, for LoRA with checkpointing only."""
+    """memory.offload_checkpoints reaches the fast path, for LoRA with checkpointing only (not under FSDP:
+    docs/fsdp.md)."""
     import trainer.fastpath as fastpath
     from trainer.model import loading
 
@@ -540,7 +561,7 @@ def test_offloading_follows_the_memory_setting(write_config, monkeypatch):
             )
         )
         loading.load_for_training(cfg, torch.device("cpu"))
-        assert seen[-1] == {"offload": expected}, memory
+        assert seen[-1] == {"offload": expected, "sharded": False}, memory
 
 
 def test_offloaded_checkpointing_hands_a_tuple_returning_layer_to_torchs_own():

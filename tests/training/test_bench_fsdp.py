@@ -32,6 +32,12 @@ def test_cells_land_in_the_report_one_by_one_and_the_budget_skips_the_rest(tmp_p
         ("dense", "qlora", "ddp", 2), ("glm_air", "qlora", "ddp", 2),
         ("dense", "qlora", "ddp+fast", 1), ("glm_air", "qlora", "ddp+fast", 1),
     ]  # fmt: skip
+    fast = bench.argparse.Namespace(
+        **{**vars(args), "gpus": [2], "methods": ["lora"], "modes": ["fsdp+fast", "ddp+fast"]}
+    )
+    assert bench.memory_cells(fast, {"dense": models["dense"]}) == [
+        ("dense", "lora", "fsdp+fast", 2), ("dense", "lora", "ddp+fast", 2),
+    ]  # fmt: skip
     only_fsdp = bench.argparse.Namespace(**{**vars(args), "gpus": [2, 4], "modes": ["fsdp"]})
     assert bench.memory_cells(only_fsdp, models) == [
         ("dense", "qlora", "fsdp", 2), ("dense", "qlora", "fsdp", 4),
@@ -132,7 +138,7 @@ def test_cells_take_the_optimizer_and_bad_modes_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         bench.main(["--out", str(tmp_path / "out"), "--gpus", "2", "--modes", "fsdp,zero3"])
     assert info.value.code == 2
-    assert "--modes: unknown ['zero3']; expected ddp, fsdp or ddp+fast" in capsys.readouterr().err
+    assert "--modes: unknown ['zero3']; expected ddp, fsdp, ddp+fast or fsdp+fast" in capsys.readouterr().err
 
 
 def test_the_planner_reads_measured_peaks_from_an_earlier_report(tmp_path):

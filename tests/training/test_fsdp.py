@@ -26,7 +26,6 @@ from trainer.training import fsdp
     "overrides, expected",
     [
         (["model.family=gla"], "model.family: the gla family runs its own kernels"),
-        (["performance.fast_path=off", "performance.fast_path='on'"], "performance.fast_path: the CUDA fast"),
         (
             ["lora.target_parameters=null", "lora.init=lora_ga"],
             "lora.init: lora_ga prepares the adapters from whole base weights",
@@ -503,6 +502,56 @@ def assert_loaded_in_shards(config, run, one, whole: int, slack: int, weights: s
     assert sorted(adapter) == sorted(reference)
     for key, tensor in reference.items():
         assert torch.allclose(adapter[key], tensor, atol=1e-5), key
+
+
+def fast_path_report(run) -> dict:
+    return next(e for e in iter_records(run / "logs" / runfolder.EVENTS_LOG) if e["event"] == "model_report")[
+        "fast_path"
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_fast_path_nodes_under_fsdp_equal_one_process(tmp_path, method):
+    """The fast path's fused LoRA nodes (forced on a CPU: tests/fast_path_on_cpu.py) read each layer's weights
+    as FSDP2 gathers them (QLoRA: 4-bit weights stored in the compute dtype, their quantization state put back
+    on the gathered copy): two ranks give the losses of one process on the same nodes, and of the reference
+    path, over the same rows (fp32, within 1e-5), with Q/K/V and the SwiGLU blocks fused."""
+    if method == "qlora":
+        pytest.importorskip("bitsandbytes")
+    extra = {
+        "training": {"method": method, "max_steps": 4, "save_steps": 4},
+        "lora": {
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        },
+        "model": {"dtype": "fp32"},
+        "quantization": {"compute_dtype": "fp32"},
+        "eval": {"interval": 100},
+    }
+    reference_cfg, reference = llama_config(tmp_path, "reference", extra)
+    assert run_trainer("train", "--config", str(reference_cfg)).returncode == 0
+    one_cfg, one = llama_config(tmp_path, "one", extra)
+    fast_one = subprocess.run(
+        [sys.executable, "-m", "tests.fast_path_on_cpu", "train", "--config", str(one_cfg)],
+        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert fast_one.returncode == 0, fast_one.stderr[-3000:]
+    two_cfg, two = llama_config(tmp_path, "two", deep_merge(extra, {"training": {"distributed": "fsdp"}}))
+    command = two_process_command(two_cfg)
+    at = command.index("trainer")
+    command[at - 1 : at + 1] = ["-m", "tests.fast_path_on_cpu"]
+    sharded = subprocess.run(
+        command, cwd=REPO, env=two_process_env(), capture_output=True, text=True, timeout=900
+    )
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert "fsdp sharded" in sharded.stdout
+    for run in (one, two):
+        report = fast_path_report(run)
+        assert report["enabled"] and report["lora_modules_fused"] > 0, report
+        assert report["qkv_groups_fused"] == report["mlp_blocks_fused"] == 2, report
+    assert fast_path_report(two)["fused_loss"] is False and fast_path_report(reference)["enabled"] is False
+    assert_same_losses(losses(two), losses(one))
+    assert_same_losses(losses(one), losses(reference))
 
 
 @pytest.mark.slow

@@ -347,12 +347,6 @@ class Config:
                 "model.family",
                 blame,
             )
-        if self.performance.fast_path == "on":
-            raise rule(
-                "the CUDA fast path reads whole weights, which FSDP keeps sharded; use auto or off",
-                "performance.fast_path",
-                blame,
-            )
         if self.lora.init == "lora_ga" or self.lora.method == "sdlora":
             key, value = ("init", "lora_ga") if self.lora.init == "lora_ga" else ("method", "sdlora")
             raise rule(

@@ -157,10 +157,14 @@ def _quiet_liger():
         logger.setLevel(level)
 
 
-def apply(model, decision: Decision, rms_norm: str = "torch", offload: bool = False) -> FastPathReport:
+def apply(
+    model, decision: Decision, rms_norm: str = "torch", offload: bool = False, sharded: bool = False
+) -> FastPathReport:
     """Put the fast path on ``model`` where ``decision`` allows; the report says what was done and carries the
     self-check's measured errors. ``offload``: checkpointed layers keep their inputs in pinned host memory
-    (trainer/fastpath/offload.py)."""
+    (trainer/fastpath/offload.py). ``sharded`` (FSDP2): the fused nodes read each layer's weights at the call,
+    as FSDP gathers them; the loss stays the chunked cross-entropy, and MoE experts keep bitsandbytes' modules
+    (the grouped path packs whole expert weights once, which sharding would copy onto every rank)."""
     target = model_head.unwrap(model)
     checks = [c.as_dict() for c in decision.checks]
     if not decision.enabled:
@@ -174,12 +178,16 @@ def apply(model, decision: Decision, rms_norm: str = "torch", offload: bool = Fa
     report.mlp_blocks_fused = patch_swiglu_mlps(model)
     report.lora_modules_fused, report.lora_modules_reference = patch_lora_linears(model)
     report.qkv_groups_fused = patch_qkv_groups(model)
-    report.moe_experts_grouped = patch_quantized_experts(model)
+    # The grouped experts pack every expert's 4-bit weights once, at patch time: a whole copy on each rank.
+    report.moe_experts_grouped = 0 if sharded else patch_quantized_experts(model)
     if offload:
         report.offloaded_layers = offload_checkpointed_layers(model)
     head = model_head.output_head(model)
     report.fused_loss = (
-        model_head.supports_chunked_loss(model) and type(head) is torch.nn.Linear and head.bias is None
+        not sharded
+        and model_head.supports_chunked_loss(model)
+        and type(head) is torch.nn.Linear
+        and head.bias is None
     )
     setattr(target, ENABLED_ATTRIBUTE, report.fused_loss)
     if report.lora_modules_fused == 0 and lora_module_count(model) == 0:

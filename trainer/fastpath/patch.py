@@ -34,8 +34,11 @@ def _base_linear(module) -> nn.Module | None:
     return None
 
 
-def lora_parts(module) -> tuple | None:
-    """(A weight, B weight, BaseWeight, scale) when ``module`` is a plain-LoRA Linear, else None."""
+def lora_spec(module) -> tuple | None:
+    """(A module, B module, base module, scale) when ``module`` is a plain-LoRA Linear, else None.
+
+    The modules, not their tensors: under FSDP2 a layer's parameters are other tensors at each call (gathered
+    for its forward and backward, sharded between), so the tensors are read at the call (``parts_of``)."""
     if not hasattr(module, "lora_A") or getattr(module, "merged", False) or module.disable_adapters:
         return None
     active = list(module.active_adapters)
@@ -58,21 +61,47 @@ def lora_parts(module) -> tuple | None:
     base = _base_linear(module)
     if base is None:
         return None
-    return lora_a.weight, lora_b.weight, BaseWeight(base.weight, base.bias), float(module.scaling[name])
+    return lora_a, lora_b, base, float(module.scaling[name])
+
+
+def base_weight(base: nn.Module) -> BaseWeight:
+    """The base projection's weight as it is now. FSDP2's gathered copy of a 4-bit weight is a plain tensor
+    without its quantization state; bitsandbytes' own Linear4bit.forward puts it back the same way."""
+    if getattr(base.weight, "quant_state", None) is None and getattr(base, "quant_state", None) is not None:
+        from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+        fix_4bit_weight_quant_state_from_module(base)
+    return BaseWeight(base.weight, base.bias)
+
+
+def parts_of(spec: tuple) -> tuple:
+    """(A weight, B weight, BaseWeight, scale) of a ``lora_spec``, read now."""
+    lora_a, lora_b, base, scale = spec
+    return lora_a.weight, lora_b.weight, base_weight(base), scale
+
+
+def lora_parts(module) -> tuple | None:
+    """(A weight, B weight, BaseWeight, scale) when ``module`` is a plain-LoRA Linear, else None."""
+    spec = lora_spec(module)
+    return None if spec is None else parts_of(spec)
 
 
 def cached_parts(module) -> tuple | None:
-    """``lora_parts`` worked out once per active adapter: the forward runs thousands of times a step."""
+    """``lora_parts``, its modules worked out once per active adapter (the forward runs thousands of times a
+    step) and their tensors read at each call."""
     if module.disable_adapters or module.merged:
         return None
     key = tuple(module.active_adapters)
     cached = module.__dict__.get(PARTS)
     if cached is None or cached[0] != key:
-        cached = (key, lora_parts(module))
+        cached = (key, lora_spec(module))
         module.__dict__[PARTS] = cached
-    if cached[1] is not None and "lora_ga_A0" in module._buffers:
-        return _with_initial_factors(module, cached[1])
-    return cached[1]
+    if cached[1] is None:
+        return None
+    parts = parts_of(cached[1])
+    if "lora_ga_A0" in module._buffers:
+        return _with_initial_factors(module, parts)
+    return parts
 
 
 def _with_initial_factors(module, parts: tuple) -> tuple:

@@ -439,9 +439,7 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
             f"training.distributed: fsdp is not available for the {family.name} family (its own kernels "
             "read whole weights); use ddp"
         )
-    if cfg.training.distributed == "fsdp":
-        fast = fastpath.Decision(False, "training.distributed: fsdp keeps weights sharded")
-    elif family.name == "causal":
+    if family.name == "causal":
         fast = fastpath.decide(cfg.performance.fast_path, device, compute)
     else:
         fast = family_fast_path(cfg, family, hf_config, kernel_path, device, compute, choice)
@@ -478,9 +476,9 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
     report = size_report(model, cfg.training.method)
     offload = cfg.memory.gradient_checkpointing and cfg.memory.offload_checkpoints
     if family.name == "causal":
-        fast_report = fastpath.apply(
-            model, fast, offload=offload and cfg.training.method in ("lora", "qlora")
-        )
+        sharded = cfg.training.distributed == "fsdp"
+        offload = offload and cfg.training.method in ("lora", "qlora") and not sharded
+        fast_report = fastpath.apply(model, fast, offload=offload, sharded=sharded)
     else:
         fast_report = fastpath.apply_to_family(model, fast, lambda m: family.fast_modules(m, kernel_path))
     report["fast_path"] = fast_report.as_dict()
