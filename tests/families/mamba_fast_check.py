@@ -27,14 +27,14 @@ def mixer_difference(device) -> dict:
     from transformers import Mamba2Config
     from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
 
-    from trainer.families import mamba, mamba_fast
+    from trainer.families import mamba
 
     config = Mamba2Config(hidden_size=32, num_heads=8, head_dim=8, state_size=16, n_groups=2, chunk_size=16,
                           num_hidden_layers=1, expand=2)  # fmt: skip
     torch.manual_seed(0)
     reference = Mamba2Mixer(config, layer_idx=0).to(device).train()
     fast = copy.deepcopy(reference)
-    swapped = mamba_fast.fast_modules(fast, mamba.KERNEL_FLA)
+    swapped = mamba.fast_modules(fast, mamba.KERNEL_FLA)
     x = torch.randn(2, 24, config.hidden_size, device=device)
     results = {"swapped": swapped}
     outputs = []

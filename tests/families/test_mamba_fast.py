@@ -72,11 +72,11 @@ def test_swap_only_on_fla_and_only_mamba2_offers_its_check(tmp_path):
 
     _, loaded = _tiny_mamba2(tmp_path)
     norms = [m for m in loaded.model.modules() if type(m).__name__ == "MambaRMSNormGated"]
-    assert norms and mamba_fast.fast_modules(loaded.model, mamba.KERNEL_REFERENCE) == {}
+    assert norms and mamba.fast_modules(loaded.model, mamba.KERNEL_REFERENCE) == {}
     assert all("forward" not in vars(m) for m in norms)  # untouched off the fla path
-    assert set(mamba_fast.fast_checks(Mamba2Config(), mamba.KERNEL_FLA)) == {mamba_fast.GATED_NORM}
-    assert mamba_fast.fast_checks(Mamba2Config(), mamba.KERNEL_MAMBA_SSM) == {}
-    assert mamba_fast.fast_checks(MambaConfig(), mamba.KERNEL_FLA) == {}
+    assert set(mamba.fast_checks(Mamba2Config(), mamba.KERNEL_FLA)) == {mamba_fast.GATED_NORM}
+    assert mamba.fast_checks(Mamba2Config(), mamba.KERNEL_MAMBA_SSM) == {}
+    assert mamba.fast_checks(MambaConfig(), mamba.KERNEL_FLA) == {}
     assert MAMBA.fast_path and not GLA.fast_path
 
 

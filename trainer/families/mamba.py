@@ -468,6 +468,16 @@ def check_lora(cfg, hf_config, targets) -> None:
         )
 
 
+def fast_checks(hf_config, path: str) -> dict:
+    """The family's own fast-path checks: Mamba-2's gated norm on fla's kernel, on the fla path only."""
+    return mamba_fast.gated_norm_checks(hf_config) if path == KERNEL_FLA else {}
+
+
+def fast_modules(model, path: str) -> dict:
+    """The family's own fast-path swaps (fla-triton-ssd only: mamba_ssm's training forward fuses the norm)."""
+    return mamba_fast.use_fused_gated_norm(model) if path == KERNEL_FLA else {}
+
+
 def model_inputs(batch: dict) -> dict:
     """Mamba takes no position ids; padding (packing is off) is masked out of the state. A mask without
     padding is left out: the mixer would multiply its input and its convolution's output by it (twice per
@@ -493,8 +503,8 @@ MAMBA = Family(
     quantization_skip=quantization_skip,
     check_lora=check_lora,
     fast_path=True,
-    fast_checks=mamba_fast.fast_checks,
-    fast_modules=mamba_fast.fast_modules,
+    fast_checks=fast_checks,
+    fast_modules=fast_modules,
 )
 
 register(MAMBA)

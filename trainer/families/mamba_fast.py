@@ -96,20 +96,13 @@ def check_gated_norm(device, dtype, groups: int = 2, kernel=None) -> float:
     )
 
 
-def fast_checks(hf_config, path: str) -> dict:
-    from trainer.families.mamba import KERNEL_FLA
-
-    if hf_config.model_type == "mamba2" and path == KERNEL_FLA:
-        return {GATED_NORM: check_gated_norm}
-    return {}
+def gated_norm_checks(hf_config) -> dict:
+    """The swap's start-up check, for Mamba-2 (Mamba-1's mixer has no gated norm)."""
+    return {GATED_NORM: check_gated_norm} if hf_config.model_type == "mamba2" else {}
 
 
-def fast_modules(model, path: str) -> dict:
-    """Swap every Mamba-2 mixer's gated norm of ``model`` onto fla's kernel (fla-triton-ssd path only)."""
-    from trainer.families.mamba import KERNEL_FLA
-
-    if path != KERNEL_FLA:
-        return {}
+def use_fused_gated_norm(model) -> dict:
+    """Swap every Mamba-2 mixer's gated norm of ``model`` onto fla's kernel; name -> modules swapped."""
     count = 0
     for module in model.modules():
         if type(module).__name__ == "MambaRMSNormGated":
