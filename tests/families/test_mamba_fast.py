@@ -178,3 +178,40 @@ def test_mamba_loss_runs_chunked_and_equals_the_full_cross_entropy(tmp_path, dty
     full, _ = FullCrossEntropy(MAMBA.model_inputs)(model, batch, accelerator)
     tolerance = 1e-5 if dtype == "fp32" and mixed_precision == "no" else 2e-2
     torch.testing.assert_close(chunked, full, rtol=tolerance, atol=0)
+
+
+@pytest.mark.parametrize("model", ["tiny-mamba", "tiny-mamba2"])
+def test_a_mamba_step_on_the_family_fast_path_equals_the_reference(tmp_path, monkeypatch, model):
+    """Mamba-1 (LoRA on in_proj and x_proj, whose output feeds the scan's dt, B and C) and Mamba-2 through the
+    fast path's LoRA nodes, F.rms_norm and the head-bypassed loss (here its fp32 stand-in, the chunked loss:
+    Liger's kernel needs a GPU) give the reference path's loss and gradients, in fp32, B drawn nonzero."""
+    import copy
+
+    from tests.families.test_mamba import _Accelerator
+    from trainer.model import chunked_loss
+    from trainer.training.step import kernels_for
+
+    monkeypatch.setattr(fastpath, "fused_cross_entropy", chunked_loss.chunked_cross_entropy)
+    targets = ["in_proj", "x_proj"] if model == "tiny-mamba" else ["in_proj"]
+    cfg = load_config(family_config(tmp_path, model, targets, {"lora": {"dropout": 0.0}}))
+    reference = loading.load_for_training(cfg, torch.device("cpu")).model.train()
+    torch.manual_seed(0)
+    for name, param in reference.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    fast = copy.deepcopy(reference)
+    report = fastpath.apply_to_family(fast, fastpath.Decision(True), lambda m: {})
+    assert report.lora_modules_fused == len(targets) * reference.config.num_hidden_layers
+    assert kernels_for(fast, MAMBA).name == "fast-path"
+    rows = [Sequence(list(range(4, 36)), list(range(4, 36)), list(range(32))) for _ in range(2)]
+    batch = collate(rows, 0)
+    results = []
+    for m in (reference, fast):
+        m.zero_grad(set_to_none=True)
+        ce_sum, _ = kernels_for(m, MAMBA).loss(m, batch, _Accelerator("no"))
+        ce_sum.backward()
+        grads = torch.cat([p.grad.flatten() for p in m.parameters() if p.requires_grad])
+        results.append((ce_sum.detach(), grads))
+    (loss_ref, grads_ref), (loss_fast, grads_fast) = results
+    torch.testing.assert_close(loss_fast, loss_ref, rtol=1e-5, atol=0)
+    assert float((grads_fast - grads_ref).norm() / grads_ref.norm()) < 1e-5
