@@ -113,14 +113,16 @@ def test_family_fast_path_rides_on_the_familys_checked_kernels(tmp_path, monkeyp
     assert [c.kernel for c in fast.checks] == ["fla_ssd_scan", "lora_linear"]
     assert set(asked) == {"fused_cross_entropy", "lora_linear", mamba_fast.GATED_NORM}
 
-    gla = loading.family_fast_path(cfg, GLA, config, "fla-triton", "cuda", torch.bfloat16, _choice())
-    assert not gla.enabled and "gla family runs its own kernels" in gla.reason
     if mode == "on":
+        with pytest.raises(fastpath.FastPathUnavailable, match="gla family runs its own kernels"):
+            loading.family_fast_path(cfg, GLA, config, "fla-triton", "cuda", torch.bfloat16, _choice())
         with pytest.raises(fastpath.FastPathUnavailable, match="reference kernels"):
             loading.family_fast_path(
                 cfg, MAMBA, config, mamba.KERNEL_REFERENCE, "cuda", torch.bfloat16, _choice()
             )
     else:
+        gla = loading.family_fast_path(cfg, GLA, config, "fla-triton", "cuda", torch.bfloat16, _choice())
+        assert not gla.enabled and "gla family runs its own kernels" in gla.reason
         off = loading.family_fast_path(cfg, MAMBA, config, mamba.KERNEL_FLA, "cpu", torch.bfloat16, _choice())
         assert not off.enabled and "reference kernels here" in off.reason
 
@@ -215,3 +217,22 @@ def test_a_mamba_step_on_the_family_fast_path_equals_the_reference(tmp_path, mon
     (loss_ref, grads_ref), (loss_fast, grads_fast) = results
     torch.testing.assert_close(loss_fast, loss_ref, rtol=1e-5, atol=0)
     assert float((grads_fast - grads_ref).norm() / grads_ref.norm()) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "model, expected",
+    [("tiny-gla", "the gla family runs its own kernels"), ("tiny-mamba2", "reference kernels")],
+)
+def test_fast_path_on_for_a_family_run_that_cannot_take_it_is_exit_2(tmp_path, model, expected):
+    """``performance.fast_path: on`` insists: a GLA run (never on it) or a Mamba run on its reference kernels
+    (a CPU) stops before training with one line naming the key, as a causal run on a CPU does."""
+    from tests.helpers import run_trainer
+
+    if model == "tiny-gla":
+        pytest.importorskip("fla")
+    config = family_config(tmp_path, model, ["q_proj"] if model == "tiny-gla" else ["in_proj"],
+                           {"performance": {"fast_path": "on"}})  # fmt: skip
+    result = run_trainer("train", "--config", str(config))
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = next(x for x in result.stderr.splitlines() if "performance.fast_path: on, but" in x)
+    assert expected in line

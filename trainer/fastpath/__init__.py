@@ -157,6 +157,29 @@ def _quiet_liger():
         logger.setLevel(level)
 
 
+def _report(model, decision: Decision) -> FastPathReport:
+    """The report a fast path starts from; a model it does not apply to is marked as off (loss included)."""
+    checks = [c.as_dict() for c in decision.checks]
+    if not decision.enabled:
+        setattr(model_head.unwrap(model), ENABLED_ATTRIBUTE, False)
+        return FastPathReport(enabled=False, reason=decision.reason, self_check=checks)
+    return FastPathReport(enabled=True, self_check=checks)
+
+
+def _use_fused_loss(model, allowed: bool = True) -> bool:
+    """Mark the model's loss for the fused linear cross-entropy where its logits are exactly a bias-free
+    ``lm_head(hidden)``; returns whether it was."""
+    head = model_head.output_head(model)
+    fused = (
+        allowed
+        and model_head.supports_chunked_loss(model)
+        and type(head) is torch.nn.Linear
+        and head.bias is None
+    )
+    setattr(model_head.unwrap(model), ENABLED_ATTRIBUTE, fused)
+    return fused
+
+
 def apply(
     model, decision: Decision, rms_norm: str = "torch", offload: bool = False, sharded: bool = False
 ) -> FastPathReport:
@@ -165,12 +188,9 @@ def apply(
     (trainer/fastpath/offload.py). ``sharded`` (FSDP2): the fused nodes read each layer's weights at the call,
     as FSDP gathers them; the loss stays the chunked cross-entropy, and MoE experts keep bitsandbytes' modules
     (the grouped path packs whole expert weights once, which sharding would copy onto every rank)."""
-    target = model_head.unwrap(model)
-    checks = [c.as_dict() for c in decision.checks]
-    if not decision.enabled:
-        setattr(target, ENABLED_ATTRIBUTE, False)
-        return FastPathReport(enabled=False, reason=decision.reason, self_check=checks)
-    report = FastPathReport(enabled=True, self_check=checks)
+    report = _report(model, decision)
+    if not report.enabled:
+        return report
     report.liger_kernels = _apply_liger(model, rms_norm=rms_norm == "liger")
     if rms_norm == "torch":
         report.rms_norm = f"torch ({use_torch_rms_norm(model)} modules)"
@@ -182,14 +202,7 @@ def apply(
     report.moe_experts_grouped = 0 if sharded else patch_quantized_experts(model)
     if offload:
         report.offloaded_layers = offload_checkpointed_layers(model)
-    head = model_head.output_head(model)
-    report.fused_loss = (
-        not sharded
-        and model_head.supports_chunked_loss(model)
-        and type(head) is torch.nn.Linear
-        and head.bias is None
-    )
-    setattr(target, ENABLED_ATTRIBUTE, report.fused_loss)
+    report.fused_loss = _use_fused_loss(model, allowed=not sharded)
     if report.lora_modules_fused == 0 and lora_module_count(model) == 0:
         report.reason = "no LoRA modules (full fine-tuning): kernels and loss only"
     return report
@@ -213,21 +226,14 @@ def apply_to_family(model, decision: Decision, family_modules=None) -> FastPathR
     logits are exactly ``lm_head(hidden)``, and ``family_modules(model)`` (the family's swaps of its own
     modules onto fused kernels; returns name -> modules swapped). No Liger model patch, MLP or Q/K/V
     grouping: those follow transformers' causal layers."""
-    target = model_head.unwrap(model)
-    checks = [c.as_dict() for c in decision.checks]
-    if not decision.enabled:
-        setattr(target, ENABLED_ATTRIBUTE, False)
-        return FastPathReport(enabled=False, reason=decision.reason, self_check=checks)
-    report = FastPathReport(enabled=True, self_check=checks)
+    report = _report(model, decision)
+    if not report.enabled:
+        return report
     report.rms_norm = f"torch ({use_torch_rms_norm(model)} modules)"
     report.lora_modules_fused, report.lora_modules_reference = patch_lora_linears(model)
     if family_modules is not None:
         report.family_modules = family_modules(model)
-    head = model_head.output_head(model)
-    report.fused_loss = (
-        model_head.supports_chunked_loss(model) and type(head) is torch.nn.Linear and head.bias is None
-    )
-    setattr(target, ENABLED_ATTRIBUTE, report.fused_loss)
+    report.fused_loss = _use_fused_loss(model)
     return report
 
 

@@ -413,11 +413,12 @@ def family_fast_path(cfg: Config, family: Family, hf_config, kernel_path: str, d
         # GLA-340M on an H100: the step is host-bound (143 of ~290 ms on the GPU), and the fused LoRA nodes
         # and loss gave no tokens/s over fla's own modules (56.7k against 60.1k, same call); chunked loss
         # (memory.chunked_loss) keeps its memory saving.
-        return fastpath.Decision(
-            False, f"the {family.name} family runs its own kernels ({kernel_path})", choice.checks
-        )
-    if torch.device(device).type != "cuda" or not family.kernel_checks(hf_config, kernel_path):
+        reason = f"the {family.name} family runs its own kernels ({kernel_path})"
+    elif torch.device(device).type != "cuda" or not family.kernel_checks(hf_config, kernel_path):
         reason = f"the {family.name} family runs its reference kernels here ({kernel_path})"
+    else:
+        reason = None
+    if reason is not None:
         if mode == "on":
             raise fastpath.FastPathUnavailable(f"performance.fast_path: on, but {reason}")
         return fastpath.Decision(False, reason, choice.checks)
@@ -433,6 +434,7 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
     if cfg.training.method in ("lora", "qlora"):
         check_lora_config(cfg, family, hf_config)
     kernel_path = family.kernel_path(hf_config)
+    sharded = cfg.training.distributed == "fsdp"
     print(_kernel_line(family, model_type, choice), flush=True)
     if cfg.training.distributed == "fsdp" and family.name != "causal":
         raise ModelLoadError(
@@ -468,7 +470,6 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
             model.enable_input_require_grads()
     if cfg.training.method in ("lora", "qlora"):
         # Under FSDP the frozen weights keep the dtype they were loaded in (apply_peft says why).
-        sharded = cfg.training.distributed == "fsdp"
         upcast = not (sharded or keeps_16bit_under_qlora(family, hf_config, kernel_path, device, fast))
         model = apply_peft(model, cfg, family, upcast_for_kbit=upcast)
     if shards is not None:
@@ -476,7 +477,6 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
     report = size_report(model, cfg.training.method)
     offload = cfg.memory.gradient_checkpointing and cfg.memory.offload_checkpoints
     if family.name == "causal":
-        sharded = cfg.training.distributed == "fsdp"
         offload = offload and cfg.training.method in ("lora", "qlora") and not sharded
         fast_report = fastpath.apply(model, fast, offload=offload, sharded=sharded)
     else:
