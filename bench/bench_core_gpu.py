@@ -161,6 +161,7 @@ def summarise_run(run: Path, warmup: int) -> dict:
         "unquantized_expert_bytes": report.get("unquantized_expert_bytes"),
         "expert_records": len(experts),
         "fast_path": (report.get("fast_path") or {}).get("enabled"),
+        "cuda_graphs": (report.get("fast_path") or {}).get("cuda_graphs"),
         "moe_experts_grouped": (report.get("fast_path") or {}).get("moe_experts_grouped"),
         "losses": [r["loss"] for r in records],
     }
@@ -188,7 +189,10 @@ def run_ours(
         return {**row, "error": f"timed out after {timeout:.0f} s: {harness.output_tail(result, 300)}"}
     if result.returncode != 0:
         return {**row, "error": harness.output_tail(result, 1500)}
-    return {**row, **summarise_run(out, warmup=5)}
+    replayed = "replay from graphs now" in (result.stdout or "")  # layer_graphs says so once it captured
+    why_not = [line for line in (result.stderr or "").splitlines() if "CUDA graphs are off" in line]
+    graphs = {"graphs_replayed": replayed, **({"graphs_off": why_not[0][-600:]} if why_not else {})}
+    return {**row, **summarise_run(out, warmup=5), **graphs}
 
 
 def run_hf(
@@ -321,6 +325,7 @@ def measure(
     model = model_dir(root / "models", name, config, weights=True)
     cells = {setting: {"shape": shape, "setting": setting} for setting in settings}
     ours: dict[str, list[dict]] = {setting: [] for setting in settings}
+    nographs: dict[str, list[dict]] = {setting: [] for setting in settings}
     unsloth: dict[str, list[dict]] = {setting: [] for setting in settings}
     for i in range(repeat):
         tag = "" if i == 0 else f" r{i + 1}"
@@ -329,6 +334,19 @@ def measure(
             if "ours" in impls:
                 run = run_ours(root, f"{shape} {setting}{tag}", model, method, steps, gc, ALL_LINEAR)
                 ours[setting].append(run)
+            if "nographs" in impls:  # the kit with its layers eager: what the CUDA graphs buy, same call
+                nographs[setting].append(
+                    run_ours(
+                        root,
+                        f"{shape} {setting} nographs{tag}",
+                        model,
+                        method,
+                        steps,
+                        gc,
+                        ALL_LINEAR,
+                        **{"performance.cuda_graphs": "off"},
+                    )  # fmt: skip
+                )
             if i > 0:
                 continue
             if "ref" in impls:
@@ -350,7 +368,11 @@ def measure(
             for setting in settings:
                 unsloth[setting].append(rows.get(setting, {"error": "no result"}))
         for setting, cell in cells.items():
-            for impl, runs in (("ours", ours[setting]), ("unsloth", unsloth[setting])):
+            for impl, runs in (
+                ("ours", ours[setting]),
+                ("nographs", nographs[setting]),
+                ("unsloth", unsloth[setting]),
+            ):
                 if runs:
                     cell[impl] = aggregate_runs(runs)
         if progress is not None:
@@ -374,7 +396,7 @@ def measure_glm(root: Path, impls: set[str], steps: int) -> dict:
     return cell
 
 
-IMPLS = ["ours", "ref", "hf", "liger", "unsloth"]
+IMPLS = ["ours", "nographs", "ref", "hf", "liger", "unsloth"]
 
 
 def table_lines(rows: list[dict]) -> list[str]:
@@ -383,7 +405,9 @@ def table_lines(rows: list[dict]) -> list[str]:
     spread = any(paired_ratio_range(c.get("ours") or {}, c.get("unsloth") or {}) for c in rows)
     width = 20 if spread else 14
     head = f"{'shape':<7}{'setting':<10}" + "".join(f"{i + ' tok/s | GiB':>24}" for i in IMPLS)
-    lines = [head + f"{'ours/unsloth':>{width}}{'ours/liger':>12}{'ours/hf':>9}{'mem/unsloth':>13}"]
+    lines = [
+        head + f"{'ours/unsloth':>{width}}{'ours/liger':>12}{'ours/hf':>9}{'mem/unsloth':>13}{'graphs':>8}"
+    ]
     for cell in rows:
         line = f"{cell['shape']:<7}{cell['setting']:<10}"
         for impl in IMPLS:
@@ -397,6 +421,7 @@ def table_lines(rows: list[dict]) -> list[str]:
         ours, liger, hf, unsloth = (cell.get(k) or {} for k in ("ours", "liger", "hf", "unsloth"))
         line += f"{format_ratio(ours, unsloth, with_range=True):>{width}}{format_ratio(ours, liger):>12}"
         line += f"{format_ratio(ours, hf):>9}{format_ratio(ours, unsloth, 'peak_gib'):>13}"
+        line += f"{format_ratio(ours, cell.get('nographs') or {}):>8}"
         lines.append(line)
     if spread:
         lines.append(

@@ -35,8 +35,8 @@ def test_one_repeat_reports_the_run_as_it_is_and_prints_no_range():
     assert bench.aggregate_runs([run]) is run
     cell = {"shape": "llama", "setting": "lora+gc", "ours": run, "unsloth": row(50_000.0, 3.65)}
     header, line = bench.table_lines([cell])
-    assert header.split()[-4:] == ["ours/unsloth", "ours/liger", "ours/hf", "mem/unsloth"]
-    assert line.split()[-4:] == ["0.94x", "-", "-", "1.04x"]
+    assert header.split()[-5:] == ["ours/unsloth", "ours/liger", "ours/hf", "mem/unsloth", "graphs"]
+    assert line.split()[-5:] == ["0.94x", "-", "-", "1.04x", "-"]
 
 
 def test_repeats_give_median_tokens_max_peak_and_the_range_of_paired_ratios():
@@ -62,6 +62,21 @@ def test_a_failed_repeat_is_left_out_of_the_median_and_reported():
     assert "ERROR qwen3 lora ours: CUDA out of memory" in lines
     failed = bench.aggregate_runs([{"error": "a"}, {"error": "b"}])
     assert failed["error"] == "b" and failed["tokens_per_sec_runs"] == [None, None]
+
+
+def test_the_kit_without_graphs_alternates_with_the_kit_and_its_ratio_is_printed(recorded, tmp_path):
+    """``--impl ours,nographs``: each repeat runs the kit, then the kit with performance.cuda_graphs: off, per
+    setting, so host drift hits both; the table's last column is ours / nographs."""
+    overrides, record = [], bench.run_ours
+    bench.run_ours = lambda *args, **extra: overrides.append(extra) or record(*args, **extra)
+    cells = bench.measure(tmp_path, "llama", {"ours", "nographs"}, 12, None, repeat=2, settings=("lora+gc",))
+    assert [c[1] for c in recorded] == [
+        "llama lora+gc", "llama lora+gc nographs", "llama lora+gc r2", "llama lora+gc nographs r2"
+    ]  # fmt: skip
+    assert overrides == [{}, {"performance.cuda_graphs": "off"}] * 2
+    assert cells[0]["nographs"]["tokens_per_sec_runs"] == [102.0, 104.0]
+    line = bench.table_lines(cells)[1]
+    assert line.split()[-1] == f"{102.0 / 103.0:.2f}x"  # median 102 (101, 103) over median 103 (102, 104)
 
 
 @pytest.fixture
@@ -168,7 +183,7 @@ def test_glm_row_runs_trainer_peft_on_the_attention_projections_and_prints_the_r
     ]
     assert set(cell) == {"shape", "setting", "ours", "ref", "hf"}
     line = bench.table_lines([cell])[1]
-    assert line.split()[-4:] == ["-", "-", "2.02x", "-"]  # ours/hf: 101 / 50
+    assert line.split()[-5:] == ["-", "-", "2.02x", "-", "-"]  # ours/hf: 101 / 50
     assert bench.quantization_note(cell) is None
     cell["ours"].update(quantized_params=539e6, total_params=606e6)
     note = "2.00 GiB of fused MoE expert weights are not 4-bit"

@@ -139,6 +139,11 @@ class PerformanceConfig:
     fast_path: Literal["auto", "on", "off"] = "auto"
     """CUDA fast path for causal LMs, and its LoRA, norm and loss pieces for Mamba on a fast kernel path
     (trainer/fastpath, docs/fastpath.md): auto takes it where it applies, on insists, off never."""
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    """Replay each checkpointed decoder layer's forward, and its recompute with backward, from CUDA graphs
+    captured at its second call (trainer/fastpath/layer_graphs.py): one launch where Python made hundreds.
+    Applies on the fast path with memory.offload_checkpoints, in one process; layers with dropout or hooks,
+    and shapes other than the first, run eagerly. auto takes it where it applies, on insists, off never."""
     data_workers: Int = limit(0, ge=0)
     """Processes that tokenize and pack the data into its cache (once per data, tokenizer and settings);
     0: one per CPU core this process may use, at most 16."""

@@ -12,7 +12,8 @@ What it does to a loaded (PEFT-wrapped) model, each piece only where it applies:
   (``moe_experts``) instead of transformers' per-expert loop;
 - the next-token loss through Liger's fused linear cross-entropy (the head and the loss in chunks, the
   gradient computed in the forward), where the logits are exactly ``lm_head(hidden)``;
-- with checkpointing, each decoder layer's input kept in pinned host memory until its backward (``offload``);
+- with checkpointing, each decoder layer's input kept in pinned host memory until its backward (``offload``),
+  and in one process the layer replayed from CUDA graphs (``layer_graphs``);
 - for QLoRA, no fp32 upcast of norms and embeddings (``prepare_model_for_kbit_training`` does that for
   the reference path; it costs memory and bandwidth and the kernels compute in fp32 inside anyway).
 """
@@ -30,6 +31,7 @@ from trainer.data.dataset import IGNORE
 from trainer.families import ModelLoadError
 from trainer.families import head as model_head
 from trainer.fastpath import selfcheck
+from trainer.fastpath.layer_graphs import LayerGraphs
 from trainer.fastpath.moe_experts import patch_quantized_experts
 from trainer.fastpath.offload import offload_checkpointed_layers
 from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_qkv_groups, patch_swiglu_mlps
@@ -54,6 +56,7 @@ class FastPathReport:
     qkv_groups_fused: int = 0
     rms_norm: str = "torch"
     offloaded_layers: int = 0  # checkpointed decoder layers whose inputs wait in pinned host memory
+    cuda_graphs: str = "off"  # "layers": offloaded layers replayed from CUDA graphs; else "off: why"
     moe_experts_grouped: int = 0  # 4-bit experts modules on one dequantization + grouped GEMM per projection
     family_modules: dict = field(default_factory=dict)  # GLA/Mamba: the family's own swaps (name -> modules)
     self_check: list = field(default_factory=list)  # KernelCheck.as_dict() of each kernel checked
@@ -102,6 +105,28 @@ def decide(mode: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
         print(f"WARNING: the CUDA fast path is OFF for this run: {reason}; training on the reference path",
               file=sys.stderr, flush=True)  # fmt: skip
     return Decision(reason is None, reason or "", tuple(results))
+
+
+def graphs_unavailable(
+    mode: str, device: torch.device, offload: bool, processes: int, fast: bool = True
+) -> str | None:
+    """Why the checkpointed layers are not replayed from CUDA graphs (None: they are). With
+    ``performance.cuda_graphs: on``, a reason stops the run instead."""
+    if mode == "off":
+        return "performance.cuda_graphs: off"
+    reason = None
+    if device.type != "cuda":
+        reason = "not a CUDA device"
+    elif not fast:
+        reason = "the fast path is off"
+    elif not offload:
+        reason = "only checkpointed layers with offloaded inputs are graphed (memory.gradient_checkpointing, "
+        reason += "memory.offload_checkpoints; LoRA or QLoRA, not under FSDP)"
+    elif processes > 1:
+        reason = f"{processes} processes: DDP's gradient hooks would not see the gradients a graph adds"
+    if reason and mode == "on":
+        raise FastPathUnavailable(f"performance.cuda_graphs: on, but {reason}")
+    return reason
 
 
 def wanted(mode: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, checks=None) -> bool:
@@ -181,13 +206,20 @@ def _use_fused_loss(model, allowed: bool = True) -> bool:
 
 
 def apply(
-    model, decision: Decision, rms_norm: str = "torch", offload: bool = False, sharded: bool = False
+    model,
+    decision: Decision,
+    rms_norm: str = "torch",
+    offload: bool = False,
+    sharded: bool = False,
+    graphs_off: str | None = "not asked for",
 ) -> FastPathReport:
     """Put the fast path on ``model`` where ``decision`` allows; the report says what was done and carries the
     self-check's measured errors. ``offload``: checkpointed layers keep their inputs in pinned host memory
     (trainer/fastpath/offload.py). ``sharded`` (FSDP2): the fused nodes read each layer's weights at the call,
     as FSDP gathers them; the loss stays the chunked cross-entropy, and MoE experts keep bitsandbytes' modules
-    (the grouped path packs whole expert weights once, which sharding would copy onto every rank)."""
+    (the grouped path packs whole expert weights once, which sharding would copy onto every rank).
+    ``graphs_off``: why the offloaded layers are not replayed from CUDA graphs (``graphs_unavailable``); None:
+    they are."""
     report = _report(model, decision)
     if not report.enabled:
         return report
@@ -201,7 +233,11 @@ def apply(
     # The grouped experts pack every expert's 4-bit weights once, at patch time: a whole copy on each rank.
     report.moe_experts_grouped = 0 if sharded else patch_quantized_experts(model)
     if offload:
-        report.offloaded_layers = offload_checkpointed_layers(model)
+        graphs = LayerGraphs() if graphs_off is None else None
+        report.offloaded_layers = offload_checkpointed_layers(model, graphs)
+        report.cuda_graphs = "layers" if graphs is not None and report.offloaded_layers else "off"
+    if graphs_off is not None:
+        report.cuda_graphs = f"off: {graphs_off}"
     report.fused_loss = _use_fused_loss(model, allowed=not sharded)
     if report.lora_modules_fused == 0 and lora_module_count(model) == 0:
         report.reason = "no LoRA modules (full fine-tuning): kernels and loss only"

@@ -18,6 +18,7 @@ the tests check them against PEFT's own forward and autograd in fp32.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -85,6 +86,7 @@ def _dequant_buffer(shape: tuple, dtype: torch.dtype, device: torch.device) -> t
 
 
 _generation = 0  # bumped after every optimizer step (see track_updates)
+_inline = False  # casts computed at each call, not cached (inside a CUDA graph: see inline_casts)
 _cast_sources: list = []  # weak references to every parameter cast so far
 
 
@@ -105,6 +107,18 @@ def _fresh(param: torch.Tensor, dtype: torch.dtype) -> bool:
     return cached is not None and cached[:3] == (_generation, param._version, dtype)
 
 
+@contextlib.contextmanager
+def inline_casts():
+    """Casts computed where they are used, not taken from the cache: a CUDA graph records them as kernels and
+    replays them after every optimizer step, where a cached copy recorded once would never change."""
+    global _inline
+    before, _inline = _inline, True
+    try:
+        yield
+    finally:
+        _inline = before
+
+
 def cast(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``param`` in ``dtype``, cast once per optimizer step: the copy is kept until the parameter changes.
 
@@ -115,7 +129,7 @@ def cast(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Fresh tensors each time (never written in place), so a copy saved for a backward is never changed."""
     if param.dtype == dtype:
         return param
-    if not param.is_leaf:  # built at this call (LoRA-GA's concatenated pair): nothing to keep
+    if _inline or not param.is_leaf:  # built at this call (LoRA-GA's concatenated pair): nothing to keep
         return param.to(dtype)
     if _fresh(param, dtype):
         return param._kit_cast[3]

@@ -114,12 +114,15 @@ class NotOneTensor(TypeError):
 
 class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, offloader, anchor, hidden):
+    def forward(ctx, run, offloader, anchor, hidden, graphs=None, call=None):
         ctx.run, ctx.offloader = run, offloader
+        ctx.graphs, ctx.call = graphs, call  # a layer_graphs.LayerGraphs and this layer's call, when graphed
         ctx.autocast = _autocast_state(hidden.device.type)
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.device.type == "cuda" else None
-        out = run(hidden)
+        out = graphs.forward(call, hidden, ctx.autocast) if call is not None else None
+        if out is None:
+            out = run(hidden)
         if not isinstance(out, torch.Tensor):
             raise NotOneTensor(type(out).__name__)
         ctx.slot = offloader.push(hidden)
@@ -127,8 +130,15 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden = ctx.offloader.take(ctx.slot).requires_grad_(True)
+        hidden = ctx.offloader.take(ctx.slot)
         ctx.slot = None
+        need_input_grad = ctx.needs_input_grad[3]
+        if ctx.call is not None:
+            done, grad = ctx.graphs.backward(ctx.call, hidden, grad_out, need_input_grad, ctx.autocast)
+            if done:
+                ctx.run = ctx.call = None
+                return None, None, None, grad, None, None
+        hidden = hidden.requires_grad_(True)
         devices = [hidden.device] if ctx.cuda_rng is not None else []
         with torch.random.fork_rng(devices=devices, device_type=hidden.device.type):
             torch.set_rng_state(ctx.cpu_rng)
@@ -138,15 +148,16 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 out = ctx.run(hidden)
         if out.requires_grad:
             torch.autograd.backward(out, grad_out)
-        ctx.run = None
-        return None, None, None, hidden.grad if ctx.needs_input_grad[3] else None
+        ctx.run = ctx.call = None
+        return None, None, None, hidden.grad if need_input_grad else None, None, None
 
 
 class OffloadedCheckpoint:
     """A ``_gradient_checkpointing_func`` for transformers' decoder layers (called as ``func(fn, hidden)``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, graphs=None) -> None:
         self.offloader = Offloader()
+        self.graphs = graphs  # layer_graphs.LayerGraphs: each layer replayed from CUDA graphs; None: eager
         # Makes the layer's output require grad even where its input does not (the first layer's input under
         # a frozen embedding), so the backward that computes the LoRA gradients is always reached.
         self.anchor = torch.empty(0, requires_grad=True)
@@ -156,12 +167,15 @@ class OffloadedCheckpoint:
         if self.plain or not args or not isinstance(args[0], torch.Tensor):
             return self.checkpoint(run, *args, **kwargs)
         hidden, rest = args[0], args[1:]
+        call = None
+        if self.graphs is not None:
+            call = self.graphs.plan(run, rest, kwargs, hidden, _autocast_state(hidden.device.type))
         if (
             rest or kwargs
         ):  # the other inputs (masks, positions) are kept as they are: only the hidden states move
             run = functools.partial(_call_with, run, rest, kwargs)
         try:
-            return _OffloadedCheckpoint.apply(run, self.offloader, self.anchor, hidden)
+            return _OffloadedCheckpoint.apply(run, self.offloader, self.anchor, hidden, self.graphs, call)
         except NotOneTensor:
             # A layer whose output this cannot route (a tuple): PyTorch's own checkpointing from now on.
             self.plain = True
@@ -178,12 +192,13 @@ def _call_with(run, rest, kwargs, hidden):
     return run(hidden, *rest, **kwargs)
 
 
-def offload_checkpointed_layers(model) -> int:
+def offload_checkpointed_layers(model, graphs=None) -> int:
     """Route every checkpointed decoder layer of ``model`` through one ``OffloadedCheckpoint``; returns how
-    many. Layers transformers does not checkpoint (checkpointing off, or ``every_n_layers``) stay as they are."""
+    many. Layers transformers does not checkpoint (checkpointing off, or ``every_n_layers``) stay as they are.
+    ``graphs``: a ``layer_graphs.LayerGraphs`` that replays each layer from CUDA graphs after its first call."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    func = OffloadedCheckpoint()
+    func = OffloadedCheckpoint(graphs)
     count = 0
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:

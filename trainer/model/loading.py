@@ -360,6 +360,13 @@ def size_report(model: torch.nn.Module, method: str) -> dict:
     }
 
 
+def _processes() -> int:
+    """How many processes train this run (1 before torch.distributed is set up, or without it)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def load_for_training(cfg: Config, device: torch.device) -> LoadedModel:
     hf_config = load_hf_config(cfg)
     model_type = getattr(hf_config, "model_type", "") or ""
@@ -478,7 +485,10 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
     offload = cfg.memory.gradient_checkpointing and cfg.memory.offload_checkpoints
     if family.name == "causal":
         offload = offload and cfg.training.method in ("lora", "qlora") and not sharded
-        fast_report = fastpath.apply(model, fast, offload=offload, sharded=sharded)
+        graphs_off = fastpath.graphs_unavailable(
+            cfg.performance.cuda_graphs, device, offload, _processes(), fast.enabled
+        )
+        fast_report = fastpath.apply(model, fast, offload=offload, sharded=sharded, graphs_off=graphs_off)
     else:
         fast_report = fastpath.apply_to_family(model, fast, lambda m: family.fast_modules(m, kernel_path))
     report["fast_path"] = fast_report.as_dict()

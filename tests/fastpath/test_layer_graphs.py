@@ -1,0 +1,251 @@
+"""CUDA graphs over offloaded checkpointed layers (trainer/fastpath/layer_graphs.py), checked on CPU.
+
+A CPU has no CUDA graphs, so ``ReplayOnCpu`` stands in for the device side: capturing keeps the recorded
+function and a replay runs it again. That keeps what a graph would get wrong wrong here too: a replay reads the
+tensors the capture saw (the static ones), never the call's own, so a batch not copied in, a side input left
+stale or a gradient not accumulated shows up as a wrong loss or gradient against the eager layers.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from tests.fastpath.test_fastpath import ALL_LINEAR, checkpointed_llama, rel_err
+from trainer.fastpath import layer_graphs, offload
+from trainer.fastpath.patch import patch_lora_linears
+
+
+class ReplayOnCpu:
+    """The device side of ``LayerGraphs`` on a CPU: ``capture`` records, ``replay`` runs the recording."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.captured = 0
+        self.fail = fail
+
+    def capture(self, body):
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captured += 1
+        return types.SimpleNamespace(replay=body)
+
+
+def train(model, batches, autocast: bool, graphs=None, steps_per_update: int = 2, lr: float = 0.5):
+    """A few optimizer steps of SGD over ``batches`` (accumulating ``steps_per_update`` micro-batches each);
+    returns the losses and the final LoRA weights."""
+    if graphs is not None or not hasattr(model, offload.ATTRIBUTE):
+        offload.offload_checkpointed_layers(model, graphs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr)
+    from trainer.fastpath.lora_ops import track_updates
+
+    track_updates(optimizer)
+    losses = []
+    for i, (ids, positions) in enumerate(batches):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids, position_ids=positions, use_cache=False).loss
+        (loss / steps_per_update).backward()
+        losses.append(float(loss))
+        if (i + 1) % steps_per_update == 0:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return losses, [p.detach().clone() for p in params]
+
+
+def packed_batches(n: int, seed: int = 0):
+    """``n`` micro-batches of one shape whose rows hold documents of varying lengths (restarting positions),
+    so the attention mask the layers get differs from batch to batch."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(n):
+        ids = torch.randint(3, 1024, (2, 24), generator=generator)
+        cut = int(torch.randint(4, 20, (1,), generator=generator))
+        positions = torch.cat([torch.arange(cut), torch.arange(24 - cut)]).repeat(2, 1)
+        batches.append((ids, positions))
+    return batches
+
+
+def fused_llama(write_config):
+    model = checkpointed_llama(write_config)
+    fused, _ = patch_lora_linears(model)  # the fast path's LoRA nodes, whose casts the graphs must record
+    assert fused == 2 * len(ALL_LINEAR)
+    return model
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_graphed_layers_train_as_the_eager_ones(write_config, autocast):
+    """Six micro-batches, three optimizer steps: the graphs are captured at each layer's second call, then
+    replayed with new batches, new masks, accumulated gradients and weights the optimizer changed."""
+    batches = packed_batches(6)
+    eager_losses, eager_weights = train(fused_llama(write_config), batches, autocast)
+    backend = ReplayOnCpu()
+    graphs = layer_graphs.LayerGraphs(backend)
+    losses, weights = train(fused_llama(write_config), batches, autocast, graphs)
+    assert backend.captured == 2 * 2, "a forward and a backward graph for each of the two layers"
+    assert graphs.off is None and graphs.describe()["graphs"] == 4
+    tolerance = 2e-2 if autocast else 1e-6
+    assert max(abs(a - b) for a, b in zip(losses, eager_losses)) < tolerance * max(eager_losses)
+    for got, want in zip(weights, eager_weights):
+        assert rel_err(got, want) < tolerance
+    assert len(set(losses)) == len(losses)  # the replays saw each batch, not the captured one
+
+
+def test_replays_read_each_batch_not_the_captured_one(write_config):
+    """The loss of a replayed forward follows its own batch: graphed and eager agree batch by batch, also where
+    only the side input (the mask of another document split) changes."""
+    model = fused_llama(write_config)
+    graphs = layer_graphs.LayerGraphs(ReplayOnCpu())
+    offload.offload_checkpointed_layers(model, graphs)
+    ids = torch.randint(3, 1024, (2, 24))
+    splits = [torch.cat([torch.arange(c), torch.arange(24 - c)]).repeat(2, 1) for c in (6, 6, 12, 18)]
+    got = []
+    for positions in splits:
+        loss = model(input_ids=ids, labels=ids, position_ids=positions, use_cache=False).loss
+        loss.backward()
+        got.append(float(loss))
+    assert graphs.captured == 4
+    reference = checkpointed_llama(write_config)
+    reference.load_state_dict(model.state_dict())
+    want = [float(reference(input_ids=ids, labels=ids, position_ids=p, use_cache=False).loss) for p in splits]
+    assert got == pytest.approx(want, rel=1e-6)
+    assert got[2] != got[1] and got[3] != got[2]
+
+
+def test_a_failed_capture_leaves_every_layer_eager(write_config, capsys):
+    batches = packed_batches(4)
+    eager_losses, eager_weights = train(fused_llama(write_config), batches, False)
+    graphs = layer_graphs.LayerGraphs(ReplayOnCpu(fail=True))
+    losses, weights = train(fused_llama(write_config), batches, False, graphs)
+    assert graphs.captured == 0 and "operation not permitted" in graphs.off
+    assert "CUDA graphs are off" in capsys.readouterr().err
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(weights, eager_weights))
+
+
+def test_layers_with_dropout_or_hooks_stay_eager(write_config):
+    model = fused_llama(write_config)
+    layers = model.base_model.model.model.layers
+    layers[0].self_attn.attention_dropout = 0.1
+    layers[1].mlp.register_forward_hook(lambda *args: None)
+    assert "attention dropout" in layer_graphs.why_eager(layers[0])
+    assert "hooks on mlp" in layer_graphs.why_eager(layers[1])
+    graphs = layer_graphs.LayerGraphs(ReplayOnCpu())
+    train(model, packed_batches(4), False, graphs)
+    assert graphs.captured == 0 and graphs.off is None
+    assert len(graphs.describe()["eager_layers"]) == 2
+
+
+def test_a_second_shape_runs_eagerly_beside_the_captured_one(write_config):
+    model = fused_llama(write_config)
+    graphs = layer_graphs.LayerGraphs(ReplayOnCpu())
+    batches = packed_batches(4)
+    short = [(ids[:, :16], positions[:, :16]) for ids, positions in packed_batches(2, seed=1)]
+    losses, _ = train(model, batches + short, False, graphs)
+    eager_losses, _ = train(fused_llama(write_config), batches + short, False)
+    assert graphs.captured == 4
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+
+
+def test_graph_gradients_accumulate_into_whatever_grad_holds():
+    """The buffers a backward graph adds into become ``.grad``: from nothing (zero_grad set it to None), from
+    a gradient an eager backward left, and on top of themselves."""
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    buffers = [torch.full((3,), 7.0), torch.full((2,), 7.0)]
+    params[1].grad = torch.full((2,), 2.0)
+    layer_graphs.LayerGraphs._adopt(params, buffers)
+    assert params[0].grad is buffers[0] and params[1].grad is buffers[1]
+    assert params[0].grad.tolist() == [0.0] * 3 and params[1].grad.tolist() == [2.0, 2.0]
+    buffers[1].add_(1.0)  # what a replay does
+    layer_graphs.LayerGraphs._adopt(params, buffers)
+    assert params[1].grad.tolist() == [3.0, 3.0]
+
+
+def test_graphs_record_the_lora_casts_not_the_cached_copies(write_config, monkeypatch):
+    """A cast cached before a capture would be replayed as that one tensor forever, though the cache makes new
+    copies after each optimizer step: inside a graph every cast is computed (``lora_ops.inline_casts``)."""
+    from trainer.fastpath import lora_ops
+
+    seen, replaying = [], [False]
+    real_cast = lora_ops.cast
+    monkeypatch.setattr(
+        lora_ops, "cast", lambda p, d: seen.append((replaying[0], lora_ops._inline)) or real_cast(p, d)
+    )
+
+    class Flagged(ReplayOnCpu):
+        def capture(self, body):
+            def replay():
+                replaying[0] = True
+                try:
+                    body()
+                finally:
+                    replaying[0] = False
+
+            self.captured += 1
+            return types.SimpleNamespace(replay=replay)
+
+    graphs = layer_graphs.LayerGraphs(Flagged())
+    train(fused_llama(write_config), packed_batches(4), True, graphs)
+    assert graphs.captured == 4
+    in_graphs = [inline for replayed, inline in seen if replayed]
+    assert in_graphs and all(in_graphs)
+    assert not any(inline for replayed, inline in seen if not replayed)
+    weight = torch.nn.Parameter(torch.ones(2))
+    with lora_ops.inline_casts():
+        first, second = real_cast(weight, torch.bfloat16), real_cast(weight, torch.bfloat16)
+    assert first is not second and getattr(weight, "_kit_cast", None) is None
+
+
+@pytest.mark.slow
+def test_a_run_with_graphed_layers_logs_the_losses_of_an_eager_run(tmp_path):
+    """The whole loop (accumulation, clipping, zero_grad, the cast cache's refresh after each step, checkpoints)
+    on graphed layers: ``tests.fast_path_on_cpu`` with KIT_TEST_CPU_GRAPHS=1 forces the fast path and the graphs
+    on a CPU; the same run with ``performance.cuda_graphs: off`` gives the same losses."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, trainer_env
+    from tests.training.test_fsdp import assert_same_losses, fast_path_report, llama_config, losses
+
+    extra = {
+        "training": {"method": "lora", "max_steps": 4, "save_steps": 2},
+        "lora": {"target_modules": ALL_LINEAR},
+        "memory": {"gradient_checkpointing": True},
+        "model": {"dtype": "fp32"},
+        "eval": {"interval": 100},
+    }
+    runs, printed = {}, {}
+    for name, graphs in (("graphed", "auto"), ("eager", "off")):
+        cfg, runs[name] = llama_config(tmp_path, name, {**extra, "performance": {"cuda_graphs": graphs}})
+        result = subprocess.run(
+            [sys.executable, "-m", "tests.fast_path_on_cpu", "train", "--config", str(cfg)],
+            cwd=REPO, env={**trainer_env(), "KIT_TEST_CPU_GRAPHS": "1"}, capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        printed[name] = result.stdout
+    assert "layers replay from graphs now" in printed["graphed"]
+    assert "replay from graphs" not in printed["eager"]
+    graphed, eager = (fast_path_report(runs[n]) for n in ("graphed", "eager"))
+    assert graphed["cuda_graphs"] == "layers" and graphed["offloaded_layers"] == 2, graphed
+    assert eager["cuda_graphs"] == "off: performance.cuda_graphs: off", eager
+    assert_same_losses(losses(runs["graphed"]), losses(runs["eager"]))
+
+
+def test_both_forms_of_transformers_checkpointed_call_are_recognised(capsys):
+    """transformers has wrapped the layer's forward (``partial(forward, layer, **kw)``) and its ``__call__``
+    (``partial(super().__call__, **kw)``, a bound method); anything else turns the graphs off, saying so."""
+    import functools
+
+    layer = torch.nn.Linear(2, 2)
+    assert layer_graphs._layer_of(functools.partial(torch.nn.Linear.forward, layer)) == (
+        layer,
+        torch.nn.Linear.forward,
+    )
+    found, func = layer_graphs._layer_of(functools.partial(super(torch.nn.Linear, layer).__call__))
+    assert found is layer and func is torch.nn.Module.__call__
+    graphs = layer_graphs.LayerGraphs(ReplayOnCpu())
+    x = torch.ones(1, 2)
+    assert graphs.plan(lambda h: h, (), {}, x, {}) is None
+    assert "not a layer's forward" in graphs.off and "CUDA graphs are off" in capsys.readouterr().err

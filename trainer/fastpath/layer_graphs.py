@@ -1,0 +1,290 @@
+"""CUDA graphs over each offloaded checkpointed decoder layer: one launch replays a layer's forward, one its
+recompute and backward, where Python launched hundreds of kernels one by one.
+
+Why: the fast path's checkpointed LoRA and QLoRA steps are host-bound (bench/RESULTS.md, issue 31): about as
+much host time as GPU time per step, 0.02-0.2 ms of Python per launch, ~2.5k launches. With packed rows a
+layer's inputs keep their shapes from one micro-batch to the next, so its kernels can be recorded once.
+
+How (``LayerGraphs``, called by ``offload._OffloadedCheckpoint``):
+- a layer's first ``warmup`` calls of a shape run eagerly (Triton autotuning, cuBLAS and bitsandbytes set up
+  there), then its forward and, in the backward, its recompute with backward are each captured once;
+- every layer shares one set of static tensors: the hidden states in, out (or their gradient, in backward),
+  the gradient of the output, and the side inputs (mask, rotary tables), copied in when a batch brings others;
+- the trainable parameters' gradients are added inside the backward graph into buffers that become their
+  ``.grad``, which is what accumulation over micro-batches needs whatever zero_grad did to ``.grad``;
+- LoRA weights are cast inside the graphs (``lora_ops.inline_casts``): the cast cache makes new tensors after
+  each optimizer step, which a graph recorded earlier would never see.
+
+What stays eager, as before: a layer with hooks or dropout (the recompute would draw other masks), a shape
+other than the first one captured, and everything once a capture fails (the reason is kept in ``off``). One
+process only (decided where the fast path is applied): DDP's gradient hooks would not see these gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import _pytree as pytree
+
+from trainer.fastpath import lora_ops
+
+PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+class CudaGraphs:
+    """The device side: ``capture(body)`` records ``body`` (it does not run it) into a graph with ``replay()``.
+
+    All graphs share one memory pool: they never run at once, and each copies what it leaves behind into the
+    shared static tensors, so the pool holds one layer's transient tensors, not one set per layer."""
+
+    def __init__(self) -> None:
+        self.pool = None
+
+    def capture(self, body):
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            body()
+        return graph
+
+
+@dataclass
+class _Statics:
+    hidden: torch.Tensor  # a layer's input, in forward and in the recompute
+    out: torch.Tensor  # its output in forward; the gradient of its input in backward
+    grad: torch.Tensor  # the gradient of its output
+    side: list  # the other tensor inputs (mask, rotary tables, positions)
+    sources: list = field(default_factory=list)  # the tensors last copied into ``side``
+
+
+@dataclass
+class _LayerCall:
+    layer: torch.nn.Module
+    func: object  # the layer's forward function, called as func(layer, hidden, *rest, **kwargs)
+    spec: object  # pytree spec of (rest, kwargs)
+    leaves: list  # their leaves: tensors and plain values
+    signature: tuple
+
+    def with_side(self, side: list):
+        """The layer as a function of its hidden states alone, its tensor inputs taken from ``side``."""
+        tensors = iter(side)
+        leaves = [next(tensors) if isinstance(v, torch.Tensor) else v for v in self.leaves]
+        rest, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return lambda hidden: self.func(self.layer, hidden, *rest, **kwargs)
+
+
+def _plain(value):
+    return value if isinstance(value, PLAIN) else ("object", id(value))
+
+
+def _layer_of(run) -> tuple:
+    """(the layer, its forward as a function of (layer, hidden, ...)) from transformers' checkpointed call:
+    ``partial(forward, layer, **kwargs)`` or ``partial(layer.forward, **kwargs)``; (None, None) otherwise."""
+    if not isinstance(run, functools.partial):
+        return None, None
+    if len(run.args) == 1 and isinstance(run.args[0], torch.nn.Module):
+        return run.args[0], run.func
+    owner = getattr(run.func, "__self__", None)
+    if not run.args and isinstance(owner, torch.nn.Module):
+        return owner, run.func.__func__
+    return None, None
+
+
+def why_eager(layer: torch.nn.Module) -> str | None:
+    """Why this layer cannot be replayed from a graph (None when it can)."""
+    for name, module in layer.named_modules():
+        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+            return f"hooks on {name or 'the layer'}"
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            return f"dropout in {name}"
+        if float(getattr(module, "attention_dropout", 0.0) or 0.0) > 0:
+            return f"attention dropout in {name}"
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return "global module hooks"
+    return None
+
+
+def _autocast(state: dict):
+    """The recorded autocast state without its weight-cast cache: a graph must record every cast."""
+    return torch.autocast(
+        device_type=state["device_type"], dtype=state["dtype"], enabled=state["enabled"], cache_enabled=False
+    )
+
+
+class LayerGraphs:
+    """The graphs of one model's checkpointed layers (see the module's docstring)."""
+
+    def __init__(self, backend=None, warmup: int = 1) -> None:
+        self.backend = backend or CudaGraphs()
+        self.warmup = warmup
+        self.statics: _Statics | None = None
+        self.signature: tuple | None = None
+        self.calls: dict = {}  # (layer id, kind) -> eager calls so far
+        self.graphs: dict = {}  # (layer id, kind) -> a captured graph
+        self.grads: dict = {}  # layer id -> (parameters, the buffers that are their .grad)
+        self.eager_layers: dict = {}  # layer id -> why it stays eager
+        self.off: str | None = None  # why nothing is captured any more
+
+    @property
+    def captured(self) -> int:
+        return len(self.graphs)
+
+    def plan(self, run, rest: tuple, kwargs: dict, hidden: torch.Tensor, autocast: dict) -> _LayerCall | None:
+        """The call ``run(hidden, *rest, **kwargs)`` of transformers' checkpointing, when it can be graphed."""
+        if self.off is not None:
+            return None
+        layer, func = _layer_of(run)
+        if layer is None:
+            self._give_up(f"the checkpointed call is not a layer's forward ({run!r:.120})")
+            return None
+        if id(layer) not in self.eager_layers:
+            self.eager_layers[id(layer)] = why_eager(layer)
+        if self.eager_layers[id(layer)] is not None:
+            return None
+        leaves, spec = pytree.tree_flatten((rest, {**run.keywords, **kwargs}))
+        tensors = tuple((tuple(v.shape), v.dtype, v.device) for v in leaves if isinstance(v, torch.Tensor))
+        plain = tuple(_plain(v) for v in leaves if not isinstance(v, torch.Tensor))
+        signature = (tuple(hidden.shape), hidden.dtype, hidden.device, str(spec), tensors, plain,
+                     tuple(sorted(autocast.items())))  # fmt: skip
+        if self.signature is not None and signature != self.signature:
+            return None
+        return _LayerCall(layer, func, spec, leaves, signature)
+
+    # ------------------------------------------------------------ forward and backward
+
+    def forward(self, call: _LayerCall, hidden: torch.Tensor, autocast: dict) -> torch.Tensor | None:
+        """The layer's output from its forward graph, or None: run it eagerly this time."""
+        key = (id(call.layer), "forward")
+        graph = self.graphs.get(key)
+        if graph is None:
+            if not self._warm(key):
+                return None
+            statics = self._statics(call, hidden)
+            run = call.with_side(statics.side)
+
+            def body():
+                with _autocast(autocast), lora_ops.inline_casts():
+                    out = run(statics.hidden)
+                    if not isinstance(out, torch.Tensor) or out.shape != statics.out.shape:
+                        raise TypeError(f"the layer returned {type(out).__name__}, not its hidden states")
+                    statics.out.copy_(out)
+
+            graph = self._capture(key, body, call, hidden)
+            if graph is None:
+                return None
+        self._load(call, hidden)
+        graph.replay()
+        return self.statics.out.clone()
+
+    def backward(self, call: _LayerCall, hidden, grad_out, need_input_grad: bool, autocast: dict):
+        """(True, the gradient of the layer's input or None) after replaying its recompute and backward, the
+        parameters' gradients added to their ``.grad``; (False, None): do it eagerly this time."""
+        if grad_out.shape != hidden.shape or grad_out.dtype != hidden.dtype:
+            return False, None
+        key = (id(call.layer), "backward", need_input_grad)
+        graph = self.graphs.get(key)
+        params, buffers = self._grad_buffers(call.layer)
+        if graph is None:
+            if not params and not need_input_grad:
+                return True, None  # nothing in this layer learns and nothing before it needs a gradient
+            if not self._warm(key):
+                return False, None
+            statics = self._statics(call, hidden)
+            run = call.with_side(statics.side)
+
+            def body():
+                with torch.enable_grad(), _autocast(autocast), lora_ops.inline_casts():
+                    h = statics.hidden.detach().requires_grad_(need_input_grad)
+                    out = run(h)
+                inputs = ([h] if need_input_grad else []) + params
+                grads = list(torch.autograd.grad(out, inputs, statics.grad, allow_unused=True))
+                if need_input_grad:
+                    statics.out.copy_(grads.pop(0))
+                pairs = [(b, g) for b, g in zip(buffers, grads) if g is not None]
+                if pairs:
+                    torch._foreach_add_([b for b, _ in pairs], [g for _, g in pairs])
+
+            graph = self._capture(key, body, call, hidden, grad_out)
+            if graph is None:
+                return False, None
+        self._load(call, hidden, grad_out)
+        self._adopt(params, buffers)
+        graph.replay()
+        return True, (self.statics.out.clone() if need_input_grad else None)
+
+    # ------------------------------------------------------------ the pieces
+
+    def _warm(self, key) -> bool:
+        """Whether this call may be captured: the first ``warmup`` calls run eagerly."""
+        self.calls[key] = self.calls.get(key, 0) + 1
+        return self.calls[key] > self.warmup
+
+    def _statics(self, call: _LayerCall, hidden: torch.Tensor) -> _Statics:
+        if self.statics is None:
+            self.signature = call.signature
+            side = [torch.empty_like(v) for v in call.leaves if isinstance(v, torch.Tensor)]
+            self.statics = _Statics(torch.empty_like(hidden), torch.empty_like(hidden), torch.empty_like(hidden),
+                                    side, [None] * len(side))  # fmt: skip
+        return self.statics
+
+    def _load(self, call: _LayerCall, hidden, grad_out=None) -> None:
+        """This call's tensors into the static ones the graphs read (side inputs only when they changed)."""
+        statics = self.statics
+        statics.hidden.copy_(hidden)
+        if grad_out is not None:
+            statics.grad.copy_(grad_out)
+        tensors = [v for v in call.leaves if isinstance(v, torch.Tensor)]
+        for i, tensor in enumerate(tensors):
+            if statics.sources[i] is not tensor:
+                statics.side[i].copy_(tensor)
+                statics.sources[i] = tensor
+
+    def _capture(self, key, body, call: _LayerCall, hidden, grad_out=None):
+        self._load(call, hidden, grad_out)
+        try:
+            graph = self.backend.capture(body)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the layers as they were: eager
+            self._give_up(f"capturing layer {type(call.layer).__name__} failed: {type(exc).__name__}: {exc}")
+            return None
+        if not self.graphs:
+            shape = "x".join(str(n) for n in hidden.shape)
+            print(
+                f"CUDA graphs: checkpointed layers replay from graphs now (hidden states {shape})", flush=True
+            )
+        self.graphs[key] = graph
+        return graph
+
+    def _give_up(self, reason: str) -> None:
+        self.off = reason
+        self.graphs.clear()
+        print(f"WARNING: CUDA graphs are off for this run's layers (they run eagerly): {reason}",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    def _grad_buffers(self, layer: torch.nn.Module) -> tuple[list, list]:
+        entry = self.grads.get(id(layer))
+        if entry is None:
+            params = [p for p in layer.parameters() if p.requires_grad]
+            entry = self.grads[id(layer)] = (params, [torch.zeros_like(p) for p in params])
+        return entry
+
+    @staticmethod
+    def _adopt(params: list, buffers: list) -> None:
+        """Make the graph's buffers the parameters' ``.grad``, keeping what was accumulated so far."""
+        if all(p.grad is b for p, b in zip(params, buffers)):
+            return
+        zero = [b for p, b in zip(params, buffers) if p.grad is None]
+        moved = [(b, p.grad) for p, b in zip(params, buffers) if p.grad is not None and p.grad is not b]
+        if zero:
+            torch._foreach_zero_(zero)
+        if moved:
+            torch._foreach_copy_([b for b, _ in moved], [g for _, g in moved])
+        for p, b in zip(params, buffers):
+            p.grad = b
+
+    def describe(self) -> dict:
+        eager = sorted({why for why in self.eager_layers.values() if why})
+        return {"graphs": self.captured, "eager_layers": eager, "off": self.off}
