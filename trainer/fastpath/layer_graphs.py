@@ -47,7 +47,8 @@ class CudaGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a CUDA call from another thread (telemetry) neither breaks the capture nor fails itself
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             body()
         return graph
 
