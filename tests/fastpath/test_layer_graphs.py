@@ -249,3 +249,16 @@ def test_both_forms_of_transformers_checkpointed_call_are_recognised(capsys):
     x = torch.ones(1, 2)
     assert graphs.plan(lambda h: h, (), {}, x, {}) is None
     assert "not a layer's forward" in graphs.off and "CUDA graphs are off" in capsys.readouterr().err
+
+
+def test_each_shape_gets_its_eager_warm_up_before_a_capture(write_config):
+    """A first micro-batch of another shape does not count as the warm-up of the shape captured later: its
+    first call runs eagerly (Triton tunes there), its second is captured."""
+    model = fused_llama(write_config)
+    backend = ReplayOnCpu()
+    graphs = layer_graphs.LayerGraphs(backend)
+    short = [(ids[:, :16], positions[:, :16]) for ids, positions in packed_batches(1, seed=1)]
+    train(model, short + packed_batches(1), False, graphs, steps_per_update=1)
+    assert backend.captured == 0
+    train(model, packed_batches(1, seed=2), False, graphs, steps_per_update=1)
+    assert backend.captured == 4

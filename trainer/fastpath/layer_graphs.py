@@ -124,7 +124,7 @@ class LayerGraphs:
         self.warmup = warmup
         self.statics: _Statics | None = None
         self.signature: tuple | None = None
-        self.calls: dict = {}  # (layer id, kind) -> eager calls so far
+        self.calls: dict = {}  # ((layer id, kind), signature) -> eager calls so far
         self.graphs: dict = {}  # (layer id, kind) -> a captured graph
         self.grads: dict = {}  # layer id -> (parameters, the buffers that are their .grad)
         self.eager_layers: dict = {}  # layer id -> why it stays eager
@@ -162,7 +162,7 @@ class LayerGraphs:
         key = (id(call.layer), "forward")
         graph = self.graphs.get(key)
         if graph is None:
-            if not self._warm(key):
+            if not self._warm(key, call.signature):
                 return None
             statics = self._statics(call, hidden)
             run = call.with_side(statics.side)
@@ -192,7 +192,7 @@ class LayerGraphs:
         if graph is None:
             if not params and not need_input_grad:
                 return True, None  # nothing in this layer learns and nothing before it needs a gradient
-            if not self._warm(key):
+            if not self._warm(key, call.signature):
                 return False, None
             statics = self._statics(call, hidden)
             run = call.with_side(statics.side)
@@ -219,10 +219,12 @@ class LayerGraphs:
 
     # ------------------------------------------------------------ the pieces
 
-    def _warm(self, key) -> bool:
-        """Whether this call may be captured: the first ``warmup`` calls run eagerly."""
-        self.calls[key] = self.calls.get(key, 0) + 1
-        return self.calls[key] > self.warmup
+    def _warm(self, key, signature: tuple) -> bool:
+        """Whether this call may be captured: the first ``warmup`` calls of its shape run eagerly (a shape's
+        first call tunes Triton's kernels for it, which a capture could not do)."""
+        counted = (key, signature)
+        self.calls[counted] = self.calls.get(counted, 0) + 1
+        return self.calls[counted] > self.warmup
 
     def _statics(self, call: _LayerCall, hidden: torch.Tensor) -> _Statics:
         if self.statics is None:
