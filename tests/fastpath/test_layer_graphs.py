@@ -262,3 +262,23 @@ def test_each_shape_gets_its_eager_warm_up_before_a_capture(write_config):
     assert backend.captured == 0
     train(model, packed_batches(1, seed=2), False, graphs, steps_per_update=1)
     assert backend.captured == 4
+
+
+def test_a_capture_failing_mid_step_leaves_the_rest_of_that_step_eager(write_config):
+    """Calls planned before a capture failed (the other layers of that forward, their backward) run eagerly
+    and give the eager gradients; nothing is captured after the failure."""
+
+    class FailsThird(ReplayOnCpu):
+        def capture(self, body):
+            if self.captured == 2:  # both layers' forward graphs, then the first backward capture fails
+                raise RuntimeError("capture failed")
+            return super().capture(body)
+
+    batches = packed_batches(4)
+    eager_losses, eager_weights = train(fused_llama(write_config), batches, False)
+    backend = FailsThird()
+    graphs = layer_graphs.LayerGraphs(backend)
+    losses, weights = train(fused_llama(write_config), batches, False, graphs)
+    assert backend.captured == 2 and graphs.off and graphs.captured == 0
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+    assert all(rel_err(a, b) < 1e-6 for a, b in zip(weights, eager_weights))

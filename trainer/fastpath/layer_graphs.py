@@ -159,6 +159,8 @@ class LayerGraphs:
 
     def forward(self, call: _LayerCall, hidden: torch.Tensor, autocast: dict) -> torch.Tensor | None:
         """The layer's output from its forward graph, or None: run it eagerly this time."""
+        if self.off is not None:  # a capture failed after this call was planned
+            return None
         key = (id(call.layer), "forward")
         graph = self.graphs.get(key)
         if graph is None:
@@ -184,7 +186,7 @@ class LayerGraphs:
     def backward(self, call: _LayerCall, hidden, grad_out, need_input_grad: bool, autocast: dict):
         """(True, the gradient of the layer's input or None) after replaying its recompute and backward, the
         parameters' gradients added to their ``.grad``; (False, None): do it eagerly this time."""
-        if grad_out.shape != hidden.shape or grad_out.dtype != hidden.dtype:
+        if self.off is not None or grad_out.shape != hidden.shape or grad_out.dtype != hidden.dtype:
             return False, None
         key = (id(call.layer), "backward", need_input_grad)
         graph = self.graphs.get(key)
