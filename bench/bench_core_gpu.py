@@ -10,11 +10,11 @@ script feeds random tokens of the same shape (throughput does not depend on toke
 
     python bench/bench_core_gpu.py --anchors .anchors --steps 15 --out /tmp/bench          # Llama rows
     python bench/bench_core_gpu.py --only qwen3 --impl ours,ref,liger --out /tmp/bench
-    python bench/bench_core_gpu.py --loss-steps 200 --out /tmp/bench   # fast vs reference, per step
-    python bench/bench_core_gpu.py --resume-check --out /tmp/bench     # SIGKILL mid-run, resume, compare
+    python bench/bench_core_gpu.py --only "" --loss-steps 200 --out /tmp/bench   # fast vs reference alone
+    python bench/bench_core_gpu.py --only "" --resume-check --out /tmp/bench   # SIGKILL mid-run, resume
     python bench/bench_core_gpu.py --anchors .anchors --repeat 3 --impl ours,unsloth   # medians of 3, alternating
     python bench/bench_core_gpu.py --only glm --impl ours,hf --out /tmp/bench           # MoE QLoRA vs Trainer+PEFT
-    python bench/bench_core_gpu.py --optimizer-check adamw_8bit,paged_adamw_8bit --out /tmp/bench
+    python bench/bench_core_gpu.py --only "" --optimizer-check adamw_8bit,paged_adamw_8bit --out /tmp/bench
 
 The host CPU of the GPU machines varies up to 2x between processes, so one run per cell is noisy: ``--repeat N``
 runs the kit and Unsloth N times, alternating, and reports medians with the range of the paired ratio.
