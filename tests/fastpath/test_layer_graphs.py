@@ -282,3 +282,30 @@ def test_a_capture_failing_mid_step_leaves_the_rest_of_that_step_eager(write_con
     assert backend.captured == 2 and graphs.off and graphs.captured == 0
     assert losses == pytest.approx(eager_losses, rel=1e-6)
     assert all(rel_err(a, b) < 1e-6 for a, b in zip(weights, eager_weights))
+
+
+def test_where_the_graphs_apply_and_what_on_insists_on():
+    from trainer.fastpath import FastPathUnavailable, graphs_unavailable
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert graphs_unavailable("auto", cuda, offload=True, processes=1) is None
+    assert graphs_unavailable("off", cuda, True, 1) == "performance.cuda_graphs: off"
+    assert graphs_unavailable("auto", cpu, True, 1) == "not a CUDA device"
+    assert graphs_unavailable("auto", cuda, True, 1, fast=False) == "the fast path is off"
+    assert "offloaded inputs" in graphs_unavailable("auto", cuda, False, 1)
+    assert "2 processes" in graphs_unavailable("auto", cuda, True, 2)
+    with pytest.raises(FastPathUnavailable, match="cuda_graphs: on, but 2 processes"):
+        graphs_unavailable("on", cuda, True, 2)
+
+
+@pytest.mark.parametrize("model", ["llama", "gla"])
+def test_cuda_graphs_on_where_they_cannot_apply_stops_the_run_with_one_line(write_config, model):
+    from tests.helpers import REPO, run_trainer
+
+    extra = {"performance": {"cuda_graphs": "on"}, "training": {"max_steps": 1}}
+    if model == "gla":
+        extra["model"] = {"name_or_path": str(REPO / "configs" / "tiny-gla")}
+    result = run_trainer("train", "--config", str(write_config(extra)))
+    assert result.returncode == 2, result.stderr[-2000:]
+    expected = "not a CUDA device" if model == "llama" else "not gla's"
+    assert f"performance.cuda_graphs: on, but" in result.stderr and expected in result.stderr

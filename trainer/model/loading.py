@@ -490,6 +490,10 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
         )
         fast_report = fastpath.apply(model, fast, offload=offload, sharded=sharded, graphs_off=graphs_off)
     else:
+        if cfg.performance.cuda_graphs == "on":
+            raise fastpath.FastPathUnavailable(
+                f"performance.cuda_graphs: on, but only causal LMs' checkpointed layers are graphed, not {family.name}'s"
+            )
         fast_report = fastpath.apply_to_family(model, fast, lambda m: family.fast_modules(m, kernel_path))
     report["fast_path"] = fast_report.as_dict()
     if fast_report.enabled and family.name == "causal":
