@@ -308,4 +308,4 @@ def test_cuda_graphs_on_where_they_cannot_apply_stops_the_run_with_one_line(writ
     result = run_trainer("train", "--config", str(write_config(extra)))
     assert result.returncode == 2, result.stderr[-2000:]
     expected = "not a CUDA device" if model == "llama" else "not gla's"
-    assert f"performance.cuda_graphs: on, but" in result.stderr and expected in result.stderr
+    assert "performance.cuda_graphs: on, but" in result.stderr and expected in result.stderr
