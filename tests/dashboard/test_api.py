@@ -445,6 +445,14 @@ def test_stats_say_which_kernels_trained_and_how_their_self_check_went(client, l
     assert kernels["self_check_max_error"] == pytest.approx(0.004)
     assert kernels["summary"] == "fast path, kernels checked (max error 4.0e-03)"
     assert "fast path, kernels checked" in client.get(f"/?run={DEMO}").get_data(as_text=True)
+    assert kernels["cuda_graphs"] is None
+    graphs = {"ts": time.time(), "event": "cuda_graphs", "step": None, "state": "replaying"}
+    append(events, [{**graphs, "detail": "hidden states 4x2048x2048"}])
+    kernels = get(client, "/api/stats")["kernels"]
+    assert kernels["summary"] == "fast path + CUDA graphs, kernels checked (max error 4.0e-03)"
+    assert kernels["cuda_graphs"] == {"state": "replaying", "detail": "hidden states 4x2048x2048"}
+    append(events, [{**graphs, "state": "off", "detail": "capturing layer LlamaDecoderLayer failed: ..."}])
+    assert get(client, "/api/stats")["kernels"]["summary"].startswith("fast path (CUDA graphs off), kernels")
     failed = [{**checks[0], "error": 0.4, "passed": False}]
     append(
         events, [{"ts": time.time(), "event": "kernel_check", "step": 0, "passed": False, "results": failed}]

@@ -117,8 +117,11 @@ def test_a_failed_capture_leaves_every_layer_eager(write_config, capsys):
     batches = packed_batches(4)
     eager_losses, eager_weights = train(fused_llama(write_config), batches, False)
     graphs = layer_graphs.LayerGraphs(ReplayOnCpu(fail=True))
+    told = []
+    graphs.on_change = lambda state, detail: told.append((state, detail))
     losses, weights = train(fused_llama(write_config), batches, False, graphs)
     assert graphs.captured == 0 and "operation not permitted" in graphs.off
+    assert told == [("off", graphs.off)]
     assert "CUDA graphs are off" in capsys.readouterr().err
     assert losses == pytest.approx(eager_losses, rel=1e-6)
     assert all(rel_err(a, b) < 1e-6 for a, b in zip(weights, eager_weights))
@@ -227,6 +230,15 @@ def test_a_run_with_graphed_layers_logs_the_losses_of_an_eager_run(tmp_path):
         printed[name] = result.stdout
     assert "layers replay from graphs now" in printed["graphed"]
     assert "replay from graphs" not in printed["eager"]
+    from trainer import runfolder
+    from trainer.runfolder import iter_records
+
+    said = [
+        e
+        for e in iter_records(runs["graphed"] / "logs" / runfolder.EVENTS_LOG)
+        if e["event"] == "cuda_graphs"
+    ]
+    assert [e["state"] for e in said] == ["replaying"] and "hidden states" in said[0]["detail"]
     graphed, eager = (fast_path_report(runs[n]) for n in ("graphed", "eager"))
     assert graphed["cuda_graphs"] == "layers" and graphed["offloaded_layers"] == 2, graphed
     assert eager["cuda_graphs"] == "off: performance.cuda_graphs: off", eager

@@ -273,6 +273,14 @@ def apply_to_family(model, decision: Decision, family_modules=None) -> FastPathR
     return report
 
 
+def layer_graphs_of(model) -> LayerGraphs | None:
+    """The CUDA graphs of ``model``'s checkpointed layers (None where they are off)."""
+    from trainer.fastpath.offload import ATTRIBUTE
+
+    func = getattr(model_head.unwrap(model), ATTRIBUTE, None) or getattr(model, ATTRIBUTE, None)
+    return getattr(func, "graphs", None)
+
+
 def enabled(model) -> bool:
     """True when the loss of this model goes through the fused linear cross-entropy."""
     return bool(getattr(model_head.unwrap(model), ENABLED_ATTRIBUTE, False))

@@ -129,6 +129,7 @@ class LayerGraphs:
         self.grads: dict = {}  # layer id -> (parameters, the buffers that are their .grad)
         self.eager_layers: dict = {}  # layer id -> why it stays eager
         self.off: str | None = None  # why nothing is captured any more
+        self.on_change = None  # called as on_change(state, detail): "replaying" once they do, "off" with why
 
     @property
     def captured(self) -> int:
@@ -260,6 +261,8 @@ class LayerGraphs:
             print(
                 f"CUDA graphs: checkpointed layers replay from graphs now (hidden states {shape})", flush=True
             )
+            if self.on_change is not None:
+                self.on_change("replaying", f"hidden states {shape}")
         self.graphs[key] = graph
         return graph
 
@@ -268,6 +271,8 @@ class LayerGraphs:
         self.graphs.clear()
         print(f"WARNING: CUDA graphs are off for this run's layers (they run eagerly): {reason}",
               file=sys.stderr, flush=True)  # fmt: skip
+        if self.on_change is not None:
+            self.on_change("off", reason)
 
     def _grad_buffers(self, layer: torch.nn.Module) -> tuple[list, list]:
         entry = self.grads.get(id(layer))

@@ -193,13 +193,16 @@ def _balance(entry: dict) -> dict:
 def kernels(run: RunData) -> dict | None:
     """Which kernels trained the run and whether they passed their start-up self-check (the run header).
 
-    From the last ``model_report`` and ``kernel_check`` events; None for runs that logged neither."""
-    report = check = None
+    From the last ``model_report``, ``kernel_check`` and ``cuda_graphs`` events; None for runs that logged neither
+    of the first two."""
+    report = check = graphs = None
     for event in run.events.items:
         if event.get("event") == "model_report":
             report = event
         elif event.get("event") == "kernel_check":
             check = event
+        elif event.get("event") == "cuda_graphs":
+            graphs = event
     if report is None and check is None:
         return None
     fast = (report or {}).get("fast_path") if isinstance((report or {}).get("fast_path"), dict) else {}
@@ -209,6 +212,7 @@ def kernels(run: RunData) -> dict | None:
     errors = [e for e in (finite(r.get("error")) for r in results) if e is not None]
     failed = [r.get("kernel") for r in results if r.get("passed") is not True]
     path = (report or {}).get("kernel_path")
+    graphs_state = (graphs or {}).get("state")
     if path not in (None, "transformers"):  # a family's own kernels (GLA, Mamba): the path that trained
         summary = f"kernels: {path}"
         if failed:
@@ -218,7 +222,10 @@ def kernels(run: RunData) -> dict | None:
     elif failed:
         summary = f"reference path: kernel self-check FAILED ({', '.join(map(str, failed))})"
     elif fast.get("enabled"):
-        summary = "fast path" + (f", kernels checked (max error {max(errors):.1e})" if errors else "")
+        summary = "fast path" + {"replaying": " + CUDA graphs", "off": " (CUDA graphs off)"}.get(
+            graphs_state, ""
+        )
+        summary += f", kernels checked (max error {max(errors):.1e})" if errors else ""
     elif fast:
         summary = f"reference path ({fast.get('reason') or 'fast path off'})"
     else:
@@ -231,4 +238,5 @@ def kernels(run: RunData) -> dict | None:
         "self_check_passed": all(r.get("passed") is True for r in results) if results else None,
         "self_check_max_error": max(errors) if errors else None,
         "self_check_failed": failed,
+        "cuda_graphs": {"state": graphs_state, "detail": graphs.get("detail")} if graphs else None,
     }

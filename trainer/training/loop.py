@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from trainer import peft_methods, runfolder
+from trainer import fastpath, peft_methods, runfolder
 from trainer.config import Config
 from trainer.data.dataset import prepare_data
 from trainer.data.prepare import workers_of
@@ -178,6 +178,9 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
         and not fsdp.active(accelerator)
     )
     step = Step(model, accelerator, loss, counter, aux_coef, data.train, pad_id, coordinated_oom)
+    graphs = fastpath.layer_graphs_of(accelerator.unwrap_model(model))
+    if graphs is not None and is_main:  # the run folder says when the layers start replaying, or stop
+        graphs.on_change = lambda state, detail: log.event("cuda_graphs", state=state, detail=detail)
     evaluator = Evaluator(
         model, tokenizer, data.val, task, task_examples, cfg, accelerator, pad_id, loss, counter, log, faults
     )
