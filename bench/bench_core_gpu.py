@@ -428,6 +428,14 @@ def table_lines(rows: list[dict]) -> list[str]:
             "ours/unsloth: ratio of median tokens/s, then min-max of repeat i of ours over repeat i of unsloth"
         )
     for cell in rows:
+        for impl in ("ours", "nographs"):
+            for run in (cell.get(impl) or {}).get("runs") or [cell.get(impl) or {}]:
+                if run.get("cuda_graphs") == "layers" and run.get("graphs_replayed") is False:
+                    why = run.get("graphs_off") or "no capture"
+                    lines.append(
+                        f"NOTE {cell['shape']} {cell['setting']} {impl}: CUDA graphs planned, never replayed ({why})"
+                    )
+    for cell in rows:
         for impl in IMPLS:
             r = cell.get(impl) or {}
             for error in r.get("errors") or ([r["error"]] if "error" in r else []):

@@ -79,6 +79,27 @@ def test_the_kit_without_graphs_alternates_with_the_kit_and_its_ratio_is_printed
     assert line.split()[-1] == f"{102.0 / 103.0:.2f}x"  # median 102 (101, 103) over median 103 (102, 104)
 
 
+def test_a_kit_row_whose_graphs_never_replayed_is_flagged():
+    """A run planned for CUDA graphs (model report) that never printed their replay line gets a NOTE, so a row
+    measured without them is not read as one with them."""
+    quiet = {
+        **row(100.0),
+        "cuda_graphs": "layers",
+        "graphs_replayed": False,
+        "graphs_off": "WARNING: capture failed",
+    }
+    fine = {**row(120.0), "cuda_graphs": "layers", "graphs_replayed": True}
+    lines = bench.table_lines(
+        [{"shape": "llama", "setting": "lora+gc", "ours": bench.aggregate_runs([quiet, fine])}]
+    )
+    assert (
+        lines[-1] == "NOTE llama lora+gc ours: CUDA graphs planned, never replayed (WARNING: capture failed)"
+    )
+    assert not any(
+        "NOTE" in line for line in bench.table_lines([{"shape": "llama", "setting": "lora", "ours": fine}])
+    )
+
+
 @pytest.fixture
 def recorded(monkeypatch, tmp_path):
     """The runners replaced by ones that record the order of calls and return figures 100, 101, ..."""
