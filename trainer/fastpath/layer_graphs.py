@@ -191,12 +191,12 @@ class LayerGraphs:
             return False, None
         key = (id(call.layer), "backward", need_input_grad)
         graph = self.graphs.get(key)
-        params, buffers = self._grad_buffers(call.layer)
         if graph is None:
-            if not params and not need_input_grad:
+            if not need_input_grad and not any(p.requires_grad for p in call.layer.parameters()):
                 return True, None  # nothing in this layer learns and nothing before it needs a gradient
             if not self._warm(key, call.signature):
                 return False, None
+            params, buffers = self._grad_buffers(call.layer)
             statics = self._statics(call, hidden)
             run = call.with_side(statics.side)
 
@@ -216,7 +216,7 @@ class LayerGraphs:
             if graph is None:
                 return False, None
         self._load(call, hidden, grad_out)
-        self._adopt(params, buffers)
+        self._adopt(*self._grad_buffers(call.layer))
         graph.replay()
         return True, (self.statics.out.clone() if need_input_grad else None)
 
@@ -275,6 +275,8 @@ class LayerGraphs:
             self.on_change("off", reason)
 
     def _grad_buffers(self, layer: torch.nn.Module) -> tuple[list, list]:
+        """The layer's trainable parameters and the buffers its backward graph adds their gradients into
+        (made at its capture: a layer left eager holds none)."""
         entry = self.grads.get(id(layer))
         if entry is None:
             params = [p for p in layer.parameters() if p.requires_grad]
