@@ -33,6 +33,7 @@ from trainer.families import head as model_head
 from trainer.fastpath import selfcheck
 from trainer.fastpath.layer_graphs import LayerGraphs
 from trainer.fastpath.moe_experts import patch_quantized_experts
+from trainer.fastpath.offload import ATTRIBUTE as OFFLOAD_ATTRIBUTE
 from trainer.fastpath.offload import offload_checkpointed_layers
 from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_qkv_groups, patch_swiglu_mlps
 
@@ -235,7 +236,7 @@ def apply(
     if offload:
         graphs = LayerGraphs() if graphs_off is None else None
         report.offloaded_layers = offload_checkpointed_layers(model, graphs)
-        report.cuda_graphs = "layers" if graphs is not None and report.offloaded_layers else "off"
+        report.cuda_graphs = "layers" if report.offloaded_layers else "off: no checkpointed decoder layers"
     if graphs_off is not None:
         report.cuda_graphs = f"off: {graphs_off}"
     report.fused_loss = _use_fused_loss(model, allowed=not sharded)
@@ -275,9 +276,9 @@ def apply_to_family(model, decision: Decision, family_modules=None) -> FastPathR
 
 def layer_graphs_of(model) -> LayerGraphs | None:
     """The CUDA graphs of ``model``'s checkpointed layers (None where they are off)."""
-    from trainer.fastpath.offload import ATTRIBUTE
-
-    func = getattr(model_head.unwrap(model), ATTRIBUTE, None) or getattr(model, ATTRIBUTE, None)
+    func = getattr(model_head.unwrap(model), OFFLOAD_ATTRIBUTE, None) or getattr(
+        model, OFFLOAD_ATTRIBUTE, None
+    )
     return getattr(func, "graphs", None)
 
 
