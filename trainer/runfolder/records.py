@@ -29,6 +29,7 @@ EVENTS = (
     "run_start",
     "resume",
     "kernel_check",
+    "cuda_graphs",
     "config_changed",
     "checkpoint_saved",
     "checkpoint_pruned",
