@@ -113,6 +113,30 @@ def test_gla_packed_documents_do_not_see_each_other(gla_model):
     torch.testing.assert_close(padded, alone, rtol=0, atol=1e-5)
 
 
+def test_rows_of_one_document_each_stay_rows_and_give_the_varlen_logits(gla_model):
+    """Rows that each hold one document go to fla as rows (its fixed-length path, which CUDA graphs can
+    record), not flattened through cu_seqlens; the logits are those of the varlen form. Packed rows and
+    padded rows are the calls GLA's layers keep eager (``gla.eager_call``)."""
+    from trainer.data.dataset import Sequence
+    from trainer.families import family_inputs, gla
+
+    model, _ = gla_model
+    gen = torch.Generator().manual_seed(1)
+    docs = [torch.randint(4, 1000, (40,), generator=gen).tolist() for _ in range(3)]
+    batch = collate([Sequence(d, d, list(range(40))) for d in docs], 0)
+    inputs = family_inputs(model, batch)
+    assert set(inputs) == {"input_ids"} and inputs["input_ids"].shape == (3, 40)
+    varlen = {"input_ids": batch["input_ids"].reshape(1, -1), "cu_seqlens": torch.tensor([0, 40, 80, 120])}
+    with torch.no_grad():
+        rows = model(**inputs).logits
+        flat = model(**varlen).logits.reshape(3, 40, -1)
+    torch.testing.assert_close(rows, flat, rtol=0, atol=1e-5)
+    assert not gla.eager_call({"attention_mask": None}) and not gla.eager_call({})
+    assert gla.eager_call(varlen) and gla.eager_call({"attention_mask": torch.ones(2, 3)})
+    two_docs = collate([Sequence(docs[0], docs[0], list(range(20)) + list(range(20)))], 0)
+    assert "cu_seqlens" in family_inputs(model, two_docs)
+
+
 def test_reference_op_keeps_varlen_sequences_and_states_apart():
     from fla.ops.gla.naive import naive_recurrent_gla
 

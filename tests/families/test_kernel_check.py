@@ -84,6 +84,7 @@ def test_gla_self_check_passes_right_kernels_and_catches_a_wrong_gradient(gla_gp
     checks = gla_checks.checks(gla_config())  # tiny-gla: fuse_norm and fuse_swiglu on
     assert list(checks) == [
         "chunk_gla",
+        "chunk_gla_rows",
         "fused_recurrent_gla",
         "rms_norm",
         "fused_rms_norm_gated",
@@ -97,8 +98,8 @@ def test_gla_self_check_passes_right_kernels_and_catches_a_wrong_gradient(gla_gp
 
     gla_gpu.chunk_gla = scaled_gradient(gla_gpu.chunk_gla)  # the fixture's monkeypatch restores it
     wrong = kernelcheck.run(CPU, torch.float32, checks, tolerance=tolerance)
-    assert [c.kernel for c in kernelcheck.failures(wrong)] == ["chunk_gla"]
-    assert wrong[0].error == pytest.approx(0.5, rel=1e-3)
+    assert [c.kernel for c in kernelcheck.failures(wrong)] == ["chunk_gla", "chunk_gla_rows"]
+    assert wrong[0].error == pytest.approx(0.5, rel=1e-3) and wrong[1].error == pytest.approx(0.5, rel=1e-3)
 
 
 def test_a_wrong_gla_kernel_moves_the_run_to_the_reference_path_once_per_process(
@@ -128,16 +129,17 @@ def test_a_wrong_gla_kernel_moves_the_run_to_the_reference_path_once_per_process
     (check,) = events(run, "kernel_check")
     assert report["kernel_path"] == "fla-naive-torch" and layer.chunk_gla is gla.naive_gla
     assert check["passed"] is False and report["fast_path"]["self_check"] == check["results"]
-    assert [r["kernel"] for r in check["results"] if not r["passed"]] == ["chunk_gla"]
+    assert [r["kernel"] for r in check["results"] if not r["passed"]] == ["chunk_gla", "chunk_gla_rows"]
     header = RunData("run", run, tmp_path)
     header.refresh()
     assert (
-        kernels(header)["summary"] == "kernels: fla-naive-torch, after a failed kernel self-check (chunk_gla)"
+        kernels(header)["summary"]
+        == "kernels: fla-naive-torch, after a failed kernel self-check (chunk_gla, chunk_gla_rows)"
     )
 
     again = load_for_training(load_config(config), CPU).report  # e.g. `evaluate` after training
     assert again["kernel_path"] == "fla-naive-torch" and again["fast_path"]["self_check"] == check["results"]
-    assert calls == [1]  # measured once: the second load took the cached result
+    assert calls == [1, 1]  # measured once (both chunk_gla forms): the second load took the cached result
 
 
 def test_right_gla_kernels_keep_the_triton_path(gla_gpu, tmp_path):
@@ -149,6 +151,7 @@ def test_right_gla_kernels_keep_the_triton_path(gla_gpu, tmp_path):
     checked = report["fast_path"]["self_check"]
     assert [c["kernel"] for c in checked] == [
         "chunk_gla",
+        "chunk_gla_rows",
         "fused_recurrent_gla",
         "rms_norm",
         "fused_rms_norm_gated",

@@ -157,11 +157,11 @@ def test_graph_gradients_accumulate_into_whatever_grad_holds():
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
     buffers = [torch.full((3,), 7.0), torch.full((2,), 7.0)]
     params[1].grad = torch.full((2,), 2.0)
-    layer_graphs.LayerGraphs._adopt(params, buffers)
+    layer_graphs.adopt_grads(params, buffers)
     assert params[0].grad is buffers[0] and params[1].grad is buffers[1]
     assert params[0].grad.tolist() == [0.0] * 3 and params[1].grad.tolist() == [2.0, 2.0]
     buffers[1].add_(1.0)  # what a replay does
-    layer_graphs.LayerGraphs._adopt(params, buffers)
+    layer_graphs.adopt_grads(params, buffers)
     assert params[1].grad.tolist() == [3.0, 3.0]
 
 
@@ -201,10 +201,12 @@ def test_graphs_record_the_lora_casts_not_the_cached_copies(write_config, monkey
 
 
 @pytest.mark.slow
-def test_a_run_with_graphed_layers_logs_the_losses_of_an_eager_run(tmp_path):
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_run_with_graphed_layers_logs_the_losses_of_an_eager_run(tmp_path, checkpointing):
     """The whole loop (accumulation, clipping, zero_grad, the cast cache's refresh after each step, checkpoints)
     on graphed layers: ``tests.fast_path_on_cpu`` with KIT_TEST_CPU_GRAPHS=1 forces the fast path and the graphs
-    on a CPU; the same run with ``performance.cuda_graphs: off`` gives the same losses."""
+    on a CPU; the same run with ``performance.cuda_graphs: off`` gives the same losses. Checkpointed layers
+    replay through ``layer_graphs``, the whole stack without checkpointing through ``stack_graphs``."""
     import subprocess
     import sys
 
@@ -214,7 +216,7 @@ def test_a_run_with_graphed_layers_logs_the_losses_of_an_eager_run(tmp_path):
     extra = {
         "training": {"method": "lora", "max_steps": 4, "save_steps": 2},
         "lora": {"target_modules": ALL_LINEAR},
-        "memory": {"gradient_checkpointing": True},
+        "memory": {"gradient_checkpointing": checkpointing},
         "model": {"dtype": "fp32"},
         "eval": {"interval": 100},
     }
@@ -228,7 +230,7 @@ def test_a_run_with_graphed_layers_logs_the_losses_of_an_eager_run(tmp_path):
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         printed[name] = result.stdout
-    assert "layers replay from graphs now" in printed["graphed"]
+    assert "replay from graphs now" in printed["graphed"]
     assert "replay from graphs" not in printed["eager"]
     from trainer import runfolder
     from trainer.runfolder import iter_records
@@ -240,7 +242,10 @@ def test_a_run_with_graphed_layers_logs_the_losses_of_an_eager_run(tmp_path):
     ]
     assert [e["state"] for e in said] == ["replaying"] and "hidden states" in said[0]["detail"]
     graphed, eager = (fast_path_report(runs[n]) for n in ("graphed", "eager"))
-    assert graphed["cuda_graphs"] == "layers" and graphed["offloaded_layers"] == 2, graphed
+    if checkpointing:
+        assert graphed["cuda_graphs"] == "layers" and graphed["offloaded_layers"] == 2, graphed
+    else:
+        assert graphed["cuda_graphs"] == "layer stack" and graphed["offloaded_layers"] == 0, graphed
     assert eager["cuda_graphs"] == "off: performance.cuda_graphs: off", eager
     assert_same_losses(losses(runs["graphed"]), losses(runs["eager"]))
 
@@ -304,20 +309,21 @@ def test_where_the_graphs_apply_and_what_on_insists_on():
     assert graphs_unavailable("off", cuda, True, 1) == "performance.cuda_graphs: off"
     assert graphs_unavailable("auto", cpu, True, 1) == "not a CUDA device"
     assert graphs_unavailable("auto", cuda, True, 1, fast=False) == "the fast path is off"
-    assert "offloaded inputs" in graphs_unavailable("auto", cuda, False, 1)
+    assert "offloaded inputs" in graphs_unavailable("auto", cuda, False, 1, checkpointing=True)
+    assert graphs_unavailable("auto", cuda, False, 1) is None  # no checkpointing: the whole layer stack
     assert "2 processes" in graphs_unavailable("auto", cuda, True, 2)
     with pytest.raises(FastPathUnavailable, match="cuda_graphs: on, but 2 processes"):
         graphs_unavailable("on", cuda, True, 2)
 
 
-@pytest.mark.parametrize("model", ["llama", "gla"])
+@pytest.mark.parametrize("model", ["llama", "gla", "mamba"])
 def test_cuda_graphs_on_where_they_cannot_apply_stops_the_run_with_one_line(write_config, model):
     from tests.helpers import REPO, run_trainer
 
     extra = {"performance": {"cuda_graphs": "on"}, "training": {"max_steps": 1}}
-    if model == "gla":
-        extra["model"] = {"name_or_path": str(REPO / "configs" / "tiny-gla")}
+    if model != "llama":
+        extra["model"] = {"name_or_path": str(REPO / "configs" / f"tiny-{model}")}
     result = run_trainer("train", "--config", str(write_config(extra)))
     assert result.returncode == 2, result.stderr[-2000:]
-    expected = "not a CUDA device" if model == "llama" else "not gla's"
+    expected = "the mamba family's layers are not graphed" if model == "mamba" else "not a CUDA device"
     assert "performance.cuda_graphs: on, but" in result.stderr and expected in result.stderr

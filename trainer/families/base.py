@@ -134,7 +134,8 @@ class Family:
     ``check_lora(cfg, hf_config, targets)`` raises ``ModelLoadError`` for LoRA settings the family
     cannot train, before any weights load; ``quantization_skip(hf_config, cfg)`` lists modules that
     bitsandbytes must leave unquantized; ``model_inputs(batch)`` turns a collated batch into the
-    model's keyword arguments (its logits may come back flattened; the loop reshapes them).
+    model's keyword arguments (its logits may come back flattened; the loop reshapes them);
+    ``eager_call(kwargs)``: see the field.
     """
 
     name: str
@@ -158,3 +159,6 @@ class Family:
     fast_modules: Callable[[Any, str], dict] = _no_fast_modules
     quantization_skip: Callable[[Any, Any], tuple[str, ...]] = _nothing_to_skip
     check_lora: Callable[[Any, Any, Any], None] = _nothing
+    # A GLA or Mamba family whose decoder layers may replay from CUDA graphs (trainer/fastpath/stack_graphs.py)
+    # says which layer calls a graph cannot record (kwargs -> True: that call runs eagerly); None: never graphed.
+    eager_call: Callable[[dict], bool] | None = None

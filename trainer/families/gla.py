@@ -205,13 +205,25 @@ def model_inputs(batch: dict) -> dict:
     """Packed rows become one varlen row: ``cu_seqlens`` marks every document (positions restart at 0).
 
     Rows with padding (no packing) carry an attention mask, which fla unpads into the same varlen form.
+    Rows that each hold one document (long documents cut to ``data.max_length``) stay rows: fla's
+    fixed-length path computes the same, and reads nothing on the host, so the layers can replay from CUDA
+    graphs (``eager_call``).
     """
     if "attention_mask" in batch:
         return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    positions = batch["position_ids"]
+    if bool((positions[:, 0] == 0).all()) and int((positions == 0).sum()) == positions.shape[0]:
+        return {"input_ids": batch["input_ids"]}
     ids = batch["input_ids"].reshape(1, -1)
-    starts = torch.nonzero(batch["position_ids"].reshape(-1) == 0).flatten()
+    starts = torch.nonzero(positions.reshape(-1) == 0).flatten()
     cu_seqlens = torch.cat([starts, torch.tensor([ids.shape[1]])]).to(torch.int32)
     return {"input_ids": ids, "cu_seqlens": cu_seqlens}
+
+
+def eager_call(kwargs: dict) -> bool:
+    """Varlen calls stay eager: fla reads their chunk layout on the host (``prepare_chunk_indices``), which a
+    CUDA graph cannot record; padded rows (an attention mask) are unpadded the same way."""
+    return kwargs.get("cu_seqlens") is not None or kwargs.get("attention_mask") is not None
 
 
 GLA = Family(
@@ -225,6 +237,7 @@ GLA = Family(
     kernel_path=kernel_path,
     kernel_paths=kernel_paths,
     kernel_checks=kernel_checks,
+    eager_call=eager_call,
 )
 
 register(GLA)

@@ -6,14 +6,15 @@ check (issue 14: TF32 inside chunk_gla, amplified by 24 layers; docs/families.md
 and backward at the model's head sizes, in the run's compute dtype, and its output and every input gradient
 are compared with the reference in fp32 on the same rounded inputs (trainer/kernelcheck.py):
 
-- ``chunk_gla`` (the layer's op on rows over 64 tokens): two documents through ``cu_seqlens`` as packed
-  training rows are, each over one 64-token chunk, so the state passed between chunks and the varlen
-  boundary are both exercised; against ``naive_gla`` (fla's ``naive_recurrent_gla``).
-  Only that variant: the kit's GLA forward always passes ``cu_seqlens`` (packed rows) or an attention mask,
-  which fla unpads into ``cu_seqlens`` (``gla.model_inputs``), so training never calls chunk_gla on plain
-  rows. (The check once ran that variant too; its autotune key differs from the varlen one, every tensor
-  argument's dtype being part of it, so it tuned and checked a configuration training never used, and cost
-  a fresh H100 over three minutes of autotuning at start-up: bench/RESULTS.md, issue 30.)
+- ``chunk_gla`` (the layer's op on rows over 64 tokens), in both forms training calls it
+  (``gla.model_inputs``): two documents through ``cu_seqlens`` as packed training rows are, each over one
+  64-token chunk, so the state passed between chunks and the varlen boundary are both exercised; and
+  (``chunk_gla_rows``) two rows of one document each, fla's fixed-length variant, which rows holding one
+  document each take (they can replay from CUDA graphs). Against ``naive_gla`` (fla's
+  ``naive_recurrent_gla``). The two variants' autotune keys differ (every tensor argument's dtype is part
+  of one), so each is tuned and checked on its own: the kit ships tuned configurations for both
+  (``fla_tuning``), without which a fresh H100 once spent over three minutes autotuning the second one
+  at start-up (bench/RESULTS.md, issue 30).
 - ``fused_recurrent_gla`` (what the layer calls on rows of 64 tokens or fewer): the same, shorter;
 - fla's fused ``RMSNorm`` (with the residual add the blocks use) and ``FusedRMSNormGated`` (the output
   norm and swish gate), when ``fuse_norm`` is on; fla's fused ``swiglu_linear`` when ``fuse_swiglu`` is
@@ -34,6 +35,7 @@ from trainer.families.gla_reference import naive_gla, torch_rms_norm
 from trainer.kernelcheck import compare, random_leaves
 
 CHUNK_TOKENS = (90, 70)  # two documents, each longer than chunk_gla's 64-token chunk
+ROW_TOKENS = (90, 90)  # two rows of one document each (fla's fixed-length variant)
 RECURRENT_TOKENS = (40, 24)  # rows of 64 tokens or fewer go through fused_recurrent_gla
 NORM_TOKENS = 48
 GATE_NORMALIZER = 16  # fla's gate_logit_normalizer: gates are logsigmoid(x) / 16
@@ -139,6 +141,15 @@ def checks(hf_config) -> dict:
     if getattr(hf_config, "attn_mode", "chunk") == "chunk":
         found["chunk_gla"] = functools.partial(
             check_gla_op, op_name="chunk_gla", heads=heads, key=key, value=value
+        )
+        found["chunk_gla_rows"] = functools.partial(
+            check_gla_op,
+            op_name="chunk_gla",
+            heads=heads,
+            key=key,
+            value=value,
+            tokens=ROW_TOKENS,
+            varlen=False,
         )
     found["fused_recurrent_gla"] = functools.partial(
         check_gla_op,

@@ -13,7 +13,8 @@ What it does to a loaded (PEFT-wrapped) model, each piece only where it applies:
 - the next-token loss through Liger's fused linear cross-entropy (the head and the loss in chunks, the
   gradient computed in the forward), where the logits are exactly ``lm_head(hidden)``;
 - with checkpointing, each decoder layer's input kept in pinned host memory until its backward (``offload``),
-  and in one process the layer replayed from CUDA graphs (``layer_graphs``);
+  and in one process the layer replayed from CUDA graphs (``layer_graphs``); without checkpointing, in one
+  process, every decoder layer's forward and backward replayed from CUDA graphs (``stack_graphs``);
 - for QLoRA, no fp32 upcast of norms and embeddings (``prepare_model_for_kbit_training`` does that for
   the reference path; it costs memory and bandwidth and the kernels compute in fp32 inside anyway).
 """
@@ -36,8 +37,10 @@ from trainer.fastpath.moe_experts import patch_quantized_experts
 from trainer.fastpath.offload import ATTRIBUTE as OFFLOAD_ATTRIBUTE
 from trainer.fastpath.offload import offload_checkpointed_layers
 from trainer.fastpath.patch import lora_module_count, patch_lora_linears, patch_qkv_groups, patch_swiglu_mlps
+from trainer.fastpath.stack_graphs import StackGraphs
 
 ENABLED_ATTRIBUTE = "_kit_fast_path"
+STACK_ATTRIBUTE = "_kit_stack_graphs"
 MODES = ("auto", "on", "off")
 
 
@@ -57,7 +60,9 @@ class FastPathReport:
     qkv_groups_fused: int = 0
     rms_norm: str = "torch"
     offloaded_layers: int = 0  # checkpointed decoder layers whose inputs wait in pinned host memory
-    cuda_graphs: str = "off"  # "layers": offloaded layers replayed from CUDA graphs; else "off: why"
+    # "layers": offloaded checkpointed layers replayed from CUDA graphs; "layer stack": all decoder layers
+    # (no checkpointing); else "off: why"
+    cuda_graphs: str = "off"
     moe_experts_grouped: int = 0  # 4-bit experts modules on one dequantization + grouped GEMM per projection
     family_modules: dict = field(default_factory=dict)  # GLA/Mamba: the family's own swaps (name -> modules)
     self_check: list = field(default_factory=list)  # KernelCheck.as_dict() of each kernel checked
@@ -109,10 +114,16 @@ def decide(mode: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
 
 
 def graphs_unavailable(
-    mode: str, device: torch.device, offload: bool, processes: int, fast: bool = True
+    mode: str,
+    device: torch.device,
+    offload: bool,
+    processes: int,
+    fast: bool = True,
+    checkpointing: bool = False,
 ) -> str | None:
-    """Why the checkpointed layers are not replayed from CUDA graphs (None: they are). With
-    ``performance.cuda_graphs: on``, a reason stops the run instead."""
+    """Why the decoder layers are not replayed from CUDA graphs (None: they are: the checkpointed ones with
+    offloaded inputs through ``layer_graphs``, or without checkpointing all of them through ``stack_graphs``).
+    With ``performance.cuda_graphs: on``, a reason stops the run instead."""
     if mode == "off":
         return "performance.cuda_graphs: off"
     reason = None
@@ -120,9 +131,9 @@ def graphs_unavailable(
         reason = "not a CUDA device"
     elif not fast:
         reason = "the fast path is off"
-    elif not offload:
-        reason = "only checkpointed layers with offloaded inputs are graphed (memory.gradient_checkpointing, "
-        reason += "memory.offload_checkpoints; LoRA or QLoRA, not under FSDP)"
+    elif checkpointing and not offload:
+        reason = "checkpointed layers are graphed only with offloaded inputs (memory.offload_checkpoints; "
+        reason += "LoRA or QLoRA, not under FSDP)"
     elif processes > 1:
         reason = f"{processes} processes: DDP's gradient hooks would not see the gradients a graph adds"
     if reason and mode == "on":
@@ -237,6 +248,8 @@ def apply(
         graphs = LayerGraphs() if graphs_off is None else None
         report.offloaded_layers = offload_checkpointed_layers(model, graphs)
         report.cuda_graphs = "layers" if report.offloaded_layers else "off: no checkpointed decoder layers"
+    elif graphs_off is None:
+        report.cuda_graphs = graph_layer_stack(model)
     if graphs_off is not None:
         report.cuda_graphs = f"off: {graphs_off}"
     report.fused_loss = _use_fused_loss(model, allowed=not sharded)
@@ -257,13 +270,18 @@ def family_checks(method: str, extra: dict | None = None) -> dict:
     return {**{name: selfcheck.CHECKS[name] for name in names}, **(extra or {})}
 
 
-def apply_to_family(model, decision: Decision, family_modules=None) -> FastPathReport:
+def apply_to_family(
+    model, decision: Decision, family_modules=None, graphs_off: str | None = "not asked for", eager_call=None
+) -> FastPathReport:
     """The fast path on a GLA or Mamba model, whose sequence mixing runs the family's own kernels: each plain
     LoRA projection as one node, RMSNorm through ``F.rms_norm``, the fused linear cross-entropy where the
     logits are exactly ``lm_head(hidden)``, and ``family_modules(model)`` (the family's swaps of its own
     modules onto fused kernels; returns name -> modules swapped). No Liger model patch, MLP or Q/K/V
-    grouping: those follow transformers' causal layers."""
+    grouping: those follow transformers' causal layers. Whether or not the fast path is on, ``graphs_off``
+    None replays the decoder layers from CUDA graphs (``stack_graphs``), except the calls ``eager_call(kwargs)``
+    says a graph cannot record."""
     report = _report(model, decision)
+    report.cuda_graphs = f"off: {graphs_off}" if graphs_off else graph_layer_stack(model, eager_call)
     if not report.enabled:
         return report
     report.rms_norm = f"torch ({use_torch_rms_norm(model)} modules)"
@@ -274,8 +292,37 @@ def apply_to_family(model, decision: Decision, family_modules=None) -> FastPathR
     return report
 
 
-def layer_graphs_of(model) -> LayerGraphs | None:
-    """The CUDA graphs of ``model``'s checkpointed layers (None where they are off)."""
+def decoder_layers(model) -> list:
+    """The model's decoder layers (transformers' and fla's blocks are ``GradientCheckpointingLayer``s), outer
+    ones only."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    found = []
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer) and not any(
+            module in set(outer.modules()) for outer in found[-1:]
+        ):
+            found.append(module)
+    return found
+
+
+def graph_layer_stack(model, eager_call=None) -> str:
+    """Replay the decoder layers from CUDA graphs (``stack_graphs``); the report's ``cuda_graphs`` value."""
+    layers = decoder_layers(model)
+    if not layers:
+        return "off: no decoder layers found"
+    graphs = StackGraphs(layers, eager_call=eager_call)
+    if not graphs.install():
+        return f"off: {graphs.off}"
+    setattr(model, STACK_ATTRIBUTE, graphs)
+    return "layer stack"
+
+
+def layer_graphs_of(model) -> LayerGraphs | StackGraphs | None:
+    """The CUDA graphs of ``model``'s layers (None where they are off)."""
+    for holder in (model_head.unwrap(model), model):
+        if getattr(holder, STACK_ATTRIBUTE, None) is not None:
+            return getattr(holder, STACK_ATTRIBUTE)
     func = getattr(model_head.unwrap(model), OFFLOAD_ATTRIBUTE, None) or getattr(
         model, OFFLOAD_ATTRIBUTE, None
     )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -40,8 +41,12 @@ class CudaGraphs:
     All graphs share one memory pool: they never run at once, and each copies what it leaves behind into the
     shared static tensors, so the pool holds one layer's transient tensors, not one set per layer."""
 
+    live: weakref.WeakSet = weakref.WeakSet()  # every pool of this process, for the peak memory it holds
+
     def __init__(self) -> None:
         self.pool = None
+        self.pool_bytes = 0  # the device memory the pool holds (reserved, not counted as allocated)
+        CudaGraphs.live.add(self)
 
     def capture(self, body):
         if self.pool is None:
@@ -50,7 +55,20 @@ class CudaGraphs:
         # thread_local: a CUDA call from another thread (telemetry) neither breaks the capture nor fails itself
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             body()
+        self.pool_bytes = _pool_bytes(self.pool)
         return graph
+
+    @classmethod
+    def held_bytes(cls) -> int:
+        """Device memory held by graph pools: their replays' tensors, which ``max_memory_allocated`` (the
+        run's peak memory) does not count once captured."""
+        return sum(graphs.pool_bytes for graphs in cls.live)
+
+
+def _pool_bytes(pool) -> int:
+    """The size of the caching allocator's segments that belong to ``pool``."""
+    segments = torch.cuda.memory_snapshot()
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool))
 
 
 @dataclass
@@ -216,7 +234,7 @@ class LayerGraphs:
             if graph is None:
                 return False, None
         self._load(call, hidden, grad_out)
-        self._adopt(*self._grad_buffers(call.layer))
+        adopt_grads(*self._grad_buffers(call.layer))
         graph.replay()
         return True, (self.statics.out.clone() if need_input_grad else None)
 
@@ -283,20 +301,20 @@ class LayerGraphs:
             entry = self.grads[id(layer)] = (params, [torch.zeros_like(p) for p in params])
         return entry
 
-    @staticmethod
-    def _adopt(params: list, buffers: list) -> None:
-        """Make the graph's buffers the parameters' ``.grad``, keeping what was accumulated so far."""
-        if all(p.grad is b for p, b in zip(params, buffers)):
-            return
-        zero = [b for p, b in zip(params, buffers) if p.grad is None]
-        moved = [(b, p.grad) for p, b in zip(params, buffers) if p.grad is not None and p.grad is not b]
-        if zero:
-            torch._foreach_zero_(zero)
-        if moved:
-            torch._foreach_copy_([b for b, _ in moved], [g for _, g in moved])
-        for p, b in zip(params, buffers):
-            p.grad = b
-
     def describe(self) -> dict:
         eager = sorted({why for why in self.eager_layers.values() if why})
         return {"graphs": self.captured, "eager_layers": eager, "off": self.off}
+
+
+def adopt_grads(params: list, buffers: list) -> None:
+    """Make a graph's gradient buffers the parameters' ``.grad``, keeping what was accumulated so far."""
+    if all(p.grad is b for p, b in zip(params, buffers)):
+        return
+    zero = [b for p, b in zip(params, buffers) if p.grad is None]
+    moved = [(b, p.grad) for p, b in zip(params, buffers) if p.grad is not None and p.grad is not b]
+    if zero:
+        torch._foreach_zero_(zero)
+    if moved:
+        torch._foreach_copy_([b for b, _ in moved], [g for _, g in moved])
+    for p, b in zip(params, buffers):
+        p.grad = b

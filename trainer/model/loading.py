@@ -395,6 +395,22 @@ def _kernel_line(family: Family, model_type: str, choice: kernel_choice.KernelCh
     return line
 
 
+def family_graphs_unavailable(cfg: Config, family: Family, device, checked: bool) -> str | None:
+    """Why a GLA or Mamba run's layers are not replayed from CUDA graphs (``fastpath.graphs_unavailable``):
+    only families whose layers say which calls a graph cannot record (``Family.eager_call``), and only on
+    their self-checked GPU kernels (``checked``), the fast path's place for these families."""
+    if family.eager_call is None:
+        if cfg.performance.cuda_graphs == "on":
+            raise fastpath.FastPathUnavailable(
+                f"performance.cuda_graphs: on, but the {family.name} family's layers are not graphed"
+            )
+        return f"the {family.name} family's layers are not graphed"
+    checkpointing = cfg.memory.gradient_checkpointing
+    return fastpath.graphs_unavailable(
+        cfg.performance.cuda_graphs, device, False, _processes(), checked, checkpointing
+    )
+
+
 def keeps_16bit_under_qlora(family: Family, hf_config, kernel_path: str, device, fast) -> bool:
     """Whether QLoRA skips ``prepare_model_for_kbit_training``'s fp32 upcast of every 16-bit parameter.
 
@@ -482,19 +498,20 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
     if shards is not None:
         shards.to_meta(model)  # true shapes, no bytes: fully_shard cuts them, the kept chunks fill them
     report = size_report(model, cfg.training.method)
-    offload = cfg.memory.gradient_checkpointing and cfg.memory.offload_checkpoints
+    checkpointing = cfg.memory.gradient_checkpointing
+    offload = checkpointing and cfg.memory.offload_checkpoints
     if family.name == "causal":
         offload = offload and cfg.training.method in ("lora", "qlora") and not sharded
         graphs_off = fastpath.graphs_unavailable(
-            cfg.performance.cuda_graphs, device, offload, _processes(), fast.enabled
+            cfg.performance.cuda_graphs, device, offload, _processes(), fast.enabled, checkpointing
         )
         fast_report = fastpath.apply(model, fast, offload=offload, sharded=sharded, graphs_off=graphs_off)
     else:
-        if cfg.performance.cuda_graphs == "on":
-            raise fastpath.FastPathUnavailable(
-                f"performance.cuda_graphs: on, but only causal LMs' checkpointed layers are graphed, not {family.name}'s"
-            )
-        fast_report = fastpath.apply_to_family(model, fast, lambda m: family.fast_modules(m, kernel_path))
+        checked = torch.device(device).type == "cuda" and bool(family.kernel_checks(hf_config, kernel_path))
+        graphs_off = family_graphs_unavailable(cfg, family, device, checked)
+        fast_report = fastpath.apply_to_family(
+            model, fast, lambda m: family.fast_modules(m, kernel_path), graphs_off, family.eager_call
+        )
     report["fast_path"] = fast_report.as_dict()
     if fast_report.enabled and family.name == "causal":
         report.update(fast_attention.apply(model, device, cfg.data.packing, cfg.model.attn_implementation))

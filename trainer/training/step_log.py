@@ -11,15 +11,18 @@ import torch
 
 from trainer import runfolder
 from trainer.config import Config
+from trainer.fastpath.layer_graphs import CudaGraphs
 from trainer.training.checkpointing import LoopState
 from trainer.training.step import StepResult
 from trainer.training.trackers import Trackers
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak GPU memory since the last record (the counter is reset), or the process's RSS on CPU."""
+    """Peak GPU memory since the last record (the counter is reset), or the process's RSS on CPU. On a GPU it
+    includes the memory CUDA graphs' pools hold (their replays' tensors), which the allocator's peak no longer
+    counts once the graphs are captured."""
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        peak = (torch.cuda.max_memory_allocated(device) + CudaGraphs.held_bytes()) / 2**20
         torch.cuda.reset_peak_memory_stats(device)
         return round(peak, 1)
     import psutil

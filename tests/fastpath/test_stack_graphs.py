@@ -1,0 +1,194 @@
+"""CUDA graphs over decoder layers that are not checkpointed (trainer/fastpath/stack_graphs.py), checked on CPU.
+
+``ReplayOnCpu`` (tests/fastpath/test_layer_graphs.py) stands in for the device: a capture keeps the recorded
+function, a replay runs it again, reading only the static tensors the capture saw. So a batch not copied in, a
+layer's output not handed on, a gradient not carried down the stack or not accumulated shows up here as a wrong
+loss or weight against the same model run eagerly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fastpath.test_fastpath import ALL_LINEAR, rel_err
+from tests.fastpath.test_layer_graphs import ReplayOnCpu
+from tests.helpers import REPO
+from trainer.config import load_config
+from trainer.fastpath import decoder_layers, stack_graphs
+from trainer.fastpath.lora_ops import track_updates
+from trainer.fastpath.patch import patch_lora_linears
+
+
+def llama(write_config):
+    """tiny-llama (two layers) with LoRA on every linear layer as the fast path's nodes, no checkpointing."""
+    from trainer.model.loading import load_for_training
+
+    cfg = load_config(
+        write_config(
+            {
+                "model": {"name_or_path": str(REPO / "configs" / "tiny-llama")},
+                "training": {"method": "lora"},
+                "lora": {"dropout": 0.0, "target_modules": ALL_LINEAR},
+                "memory": {"gradient_checkpointing": False},
+            }
+        )
+    )
+    model = load_for_training(cfg, torch.device("cpu")).model
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.05)
+    fused, _ = patch_lora_linears(model)
+    assert fused == 2 * len(ALL_LINEAR)
+    model.train()
+    return model
+
+
+def graphed(model, backend=None, **kwargs):
+    graphs = stack_graphs.StackGraphs(decoder_layers(model), backend or ReplayOnCpu(), **kwargs)
+    assert graphs.install() == 2
+    return graphs
+
+
+def batches(n: int, rows: int = 2, length: int = 24, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1024, (rows, length), generator=generator) for _ in range(n)]
+
+
+def train(model, ids_list, autocast: bool = False, steps_per_update: int = 2, lr: float = 0.5):
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr)
+    track_updates(optimizer)
+    losses = []
+    for i, ids in enumerate(ids_list):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        (loss / steps_per_update).backward()
+        losses.append(float(loss))
+        if (i + 1) % steps_per_update == 0:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return losses, [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_replayed_layers_train_as_the_eager_ones(write_config, autocast):
+    """Eight micro-batches, four optimizer steps with accumulation and clipping: the first forward runs
+    eagerly, the second captures both layers' forward and backward graphs, the rest replay them with new
+    batches and the weights the optimizer changed."""
+    data = batches(8)
+    eager_losses, eager_weights = train(llama(write_config), data, autocast)
+    backend = ReplayOnCpu()
+    model = llama(write_config)
+    graphs = graphed(model, backend)
+    losses, weights = train(model, data, autocast)
+    assert backend.captured == 2 * 2 and graphs.off is None
+    tolerance = 2e-2 if autocast else 1e-6
+    assert max(abs(a - b) for a, b in zip(losses, eager_losses)) < tolerance * max(eager_losses)
+    for got, want in zip(weights, eager_weights):
+        assert rel_err(got, want) < tolerance
+    assert len(set(losses)) == len(losses)  # each replay saw its own batch
+
+
+def test_every_layer_learns_through_the_replays(write_config):
+    """One replayed micro-batch gives every LoRA weight the gradient the eager layers give it, the first
+    layer's too (its input, from a frozen embedding, needs no gradient: the anchor reaches its backward)."""
+    data = batches(3)
+    model, reference = llama(write_config), llama(write_config)
+    graphs = graphed(model)
+    for ids in data[:2]:  # eager, then the capture and the first replay
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+    assert graphs.fwd, "captured at the second forward"
+    model(input_ids=data[2], labels=data[2], use_cache=False).loss.backward()
+    reference(input_ids=data[2], labels=data[2], use_cache=False).loss.backward()
+    named = dict(reference.named_parameters())
+    checked = 0
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert param.grad is not None, name
+            assert rel_err(param.grad, named[name].grad) < 1e-5, name
+            checked += 1
+    assert checked == 2 * 2 * len(ALL_LINEAR)
+
+
+def test_other_shapes_evaluation_and_no_grad_run_eagerly(write_config):
+    """A shorter batch after the capture, an eval forward and a no-grad forward run the layers eagerly and
+    leave the graphs as they were; the next batch of the captured shape replays again."""
+    model, reference = llama(write_config), llama(write_config)
+    graphs = graphed(model)
+    data = batches(3)
+    short = batches(1, length=16, seed=1)[0]
+    calls = []
+    for ids in [*data[:2], short, data[2]]:
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        calls.append(graphs.replaying)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    assert calls == [False, True, False, True]
+    with torch.no_grad():
+        no_grad = float(model(input_ids=data[0], labels=data[0], use_cache=False).loss)
+    model.eval()
+    evaluated = float(model(input_ids=data[0], labels=data[0], use_cache=False).loss)
+    reference.load_state_dict(model.state_dict())
+    want = float(reference(input_ids=data[0], labels=data[0], use_cache=False).loss)
+    assert no_grad == pytest.approx(want, rel=1e-6) and evaluated == pytest.approx(want, rel=1e-6)
+
+
+def test_a_failed_capture_leaves_the_layers_eager(write_config, capsys):
+    data = batches(4)
+    eager_losses, _ = train(llama(write_config), data)
+    model = llama(write_config)
+    told = []
+    graphs = graphed(model, ReplayOnCpu(fail=True))
+    graphs.on_change = lambda state, detail: told.append((state, detail))
+    losses, _ = train(model, data)
+    assert graphs.off and "operation not permitted" in graphs.off
+    assert told == [("off", graphs.off)]
+    assert "CUDA graphs are off" in capsys.readouterr().err
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+
+
+def test_calls_the_family_marks_stay_eager(write_config):
+    """``eager_call`` (GLA's varlen rows) keeps those forwards eager and captures nothing for them."""
+    model = llama(write_config)
+    backend = ReplayOnCpu()
+    graphs = graphed(model, backend, eager_call=lambda kwargs: True)
+    train(model, batches(4))
+    assert backend.captured == 0 and graphs.off is None and not graphs.replaying
+
+
+def test_hooks_or_dropout_keep_the_stack_eager(write_config):
+    model = llama(write_config)
+    layers = decoder_layers(model)
+    layers[1].mlp.register_forward_hook(lambda *args: None)
+    graphs = stack_graphs.StackGraphs(layers, ReplayOnCpu())
+    assert graphs.install() == 0 and "hooks on mlp" in graphs.off
+
+
+def test_a_layer_returning_other_tensors_is_not_replayed(write_config, capsys):
+    """A layer whose output holds more tensors than its hidden states (router logits) cannot be replayed: the
+    graphs go off, saying so; hidden states with plain values beside them (fla's blocks) are kept."""
+    graphs = graphed(llama(write_config))
+    hidden = torch.zeros(2, 3)
+    graphs.recorded[0] = stack_graphs._Call(None, [], ())
+    graphs._note_output(0, (hidden, None, None))
+    assert graphs.off is None and graphs.recorded[0].out_spec[0] == [None, None, None]
+    graphs._note_output(1, (hidden, torch.zeros(1)))
+    assert graphs.off and "other tensors" in graphs.off
+    assert "CUDA graphs are off" in capsys.readouterr().err
+
+
+def test_the_decoder_layers_are_found_once():
+    """``decoder_layers`` lists the outer blocks of a model, not blocks nested in them."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Block(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.inner = GradientCheckpointingLayer()
+
+    model = torch.nn.Sequential(Block(), Block())
+    assert decoder_layers(model) == [model[0], model[1]]
