@@ -430,7 +430,10 @@ def table_lines(rows: list[dict]) -> list[str]:
     for cell in rows:
         for impl in ("ours", "nographs"):
             for run in (cell.get(impl) or {}).get("runs") or [cell.get(impl) or {}]:
-                if run.get("cuda_graphs") == "layers" and run.get("graphs_replayed") is False:
+                if (
+                    run.get("cuda_graphs") in ("layers", "layer stack")
+                    and run.get("graphs_replayed") is False
+                ):
                     why = run.get("graphs_off") or "no capture"
                     lines.append(
                         f"NOTE {cell['shape']} {cell['setting']} {impl}: CUDA graphs planned, never replayed ({why})"
