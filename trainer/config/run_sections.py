@@ -140,10 +140,13 @@ class PerformanceConfig:
     """CUDA fast path for causal LMs, and its LoRA, norm and loss pieces for Mamba on a fast kernel path
     (trainer/fastpath, docs/fastpath.md): auto takes it where it applies, on insists, off never."""
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
-    """Replay each checkpointed decoder layer's forward, and its recompute with backward, from CUDA graphs
-    captured at its second call (trainer/fastpath/layer_graphs.py): one launch where Python made hundreds.
-    Applies on the fast path with memory.offload_checkpoints, in one process; layers with dropout or hooks,
-    and shapes other than the first, run eagerly. auto takes it where it applies, on insists, off never."""
+    """Replay decoder layers from CUDA graphs: one launch where Python made hundreds. With
+    memory.offload_checkpoints, each checkpointed layer's forward, and its recompute with backward, captured at
+    its second call (trainer/fastpath/layer_graphs.py); without checkpointing, every layer's forward and
+    backward, captured at the second training forward of a shape (trainer/fastpath/stack_graphs.py; causal
+    LMs on the fast path, GLA on its checked Triton kernels). One process only; layers with dropout or hooks,
+    other shapes and calls the family marks (GLA's packed rows) run eagerly. auto takes it where it applies,
+    on insists (exit 2 where it cannot apply), off never."""
     data_workers: Int = limit(0, ge=0)
     """Processes that tokenize and pack the data into its cache (once per data, tokenizer and settings);
     0: one per CPU core this process may use, at most 16."""
