@@ -468,22 +468,42 @@ def print_table(rows: list[dict]) -> None:
         print(note, flush=True)
 
 
-def loss_check(root: Path, steps: int) -> dict:
-    """Per-step loss of the fast path against the reference path over ``steps`` steps (same data, seed)."""
+def loss_check(root: Path, steps: int, setting: str = "lora+gc") -> dict:
+    """Per-step loss of the fast path against the reference path over ``steps`` steps (same data, seed), and
+    against the same fast path with its CUDA graphs off: replays must train as the eager layers do."""
+    method, checkpointing = SETTINGS[setting]
     model = model_dir(root / "models", *SHAPES["llama"], weights=True)
-    fast = run_ours(root, "loss fast", model, "lora", steps, True, ALL_LINEAR, **{"eval.interval": 10_000})
-    ref = run_ours(root, "loss ref", model, "lora", steps, True, ALL_LINEAR, fast_path="off")
-    if "error" in fast or "error" in ref:
-        return {"error": fast.get("error") or ref.get("error")}
+    quiet = {"eval.interval": 10_000}
+    fast = run_ours(root, "loss fast", model, method, steps, checkpointing, ALL_LINEAR, **quiet)
+    eager = run_ours(
+        root,
+        "loss eager",
+        model,
+        method,
+        steps,
+        checkpointing,
+        ALL_LINEAR,
+        **quiet,
+        **{"performance.cuda_graphs": "off"},
+    )
+    ref = run_ours(root, "loss ref", model, method, steps, checkpointing, ALL_LINEAR, fast_path="off")
+    failed = [run.get("error") for run in (fast, eager, ref) if "error" in run]
+    if failed:
+        return {"setting": setting, "error": failed[0]}
     diffs = [abs(a - b) for a, b in zip(fast["losses"], ref["losses"])]
+    graph_diffs = [abs(a - b) for a, b in zip(fast["losses"], eager["losses"])]
     return {
+        "setting": setting,
         "steps": len(diffs),
         "max_abs_diff": round(max(diffs), 5),
         "mean_abs_diff": round(sum(diffs) / len(diffs), 5),
+        "graphs_vs_eager_max_abs_diff": round(max(graph_diffs), 6),
+        "graphs_replayed": fast["graphs_replayed"],
         "first": (fast["losses"][0], ref["losses"][0]),
         "last": (fast["losses"][-1], ref["losses"][-1]),
         "fast_path": fast["fast_path"],
         "fast_losses": fast["losses"],
+        "eager_losses": eager["losses"],
         "ref_losses": ref["losses"],
     }
 
@@ -634,6 +654,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--loss-steps", type=int, default=0, help="compare per-step losses, fast vs reference"
     )
+    parser.add_argument(
+        "--loss-setting", default="lora+gc", choices=tuple(SETTINGS), help="the setting --loss-steps trains"
+    )
     parser.add_argument("--resume-check", action="store_true")
     parser.add_argument(
         "--optimizer-check",
@@ -663,7 +686,7 @@ def main() -> None:
     if results["rows"]:
         print_table(results["rows"])
     if args.loss_steps:
-        results["loss_check"] = loss_check(root, args.loss_steps)
+        results["loss_check"] = loss_check(root, args.loss_steps, args.loss_setting)
         print(
             "LOSS", json.dumps({k: v for k, v in results["loss_check"].items() if not k.endswith("losses")})
         )

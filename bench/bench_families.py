@@ -410,7 +410,7 @@ def timed_training(
         tokens_per_s=round(row.batch * seq * steps / elapsed, 1),
         step_s=round(elapsed / steps, 4),
         # CUDA graphs' pools (the kit's replayed layers) hold memory the allocator's peak stops counting
-        peak_gib=round((torch.cuda.max_memory_allocated() + CudaGraphs.held_bytes()) / 2**30, 2)
+        peak_gib=round((torch.cuda.max_memory_allocated() + CudaGraphs.unseen_bytes_now()) / 2**30, 2)
         if cuda
         else None,
         first_loss=round(losses[0], 4),

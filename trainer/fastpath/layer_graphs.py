@@ -45,7 +45,9 @@ class CudaGraphs:
 
     def __init__(self) -> None:
         self.pool = None
-        self.pool_bytes = 0  # the device memory the pool holds (reserved, not counted as allocated)
+        self.unseen_bytes = (
+            0  # the pool's memory no live tensor holds: replays use it, the allocator's peak not
+        )
         CudaGraphs.live.add(self)
 
     def capture(self, body):
@@ -55,20 +57,26 @@ class CudaGraphs:
         # thread_local: a CUDA call from another thread (telemetry) neither breaks the capture nor fails itself
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             body()
-        self.pool_bytes = _pool_bytes(self.pool)
+        self.unseen_bytes = _unallocated_pool_bytes(self.pool)
         return graph
 
     @classmethod
-    def held_bytes(cls) -> int:
-        """Device memory held by graph pools: their replays' tensors, which ``max_memory_allocated`` (the
-        run's peak memory) does not count once captured."""
-        return sum(graphs.pool_bytes for graphs in cls.live)
+    def unseen_bytes_now(cls) -> int:
+        """Device memory the graph pools hold that ``max_memory_allocated`` (the run's peak) does not count: the
+        transient tensors of the captured calls, freed when capture ended and written again by every replay.
+        The pools' tensors still alive after capture (static inputs and outputs, saved activations) are
+        allocated, so the allocator counts them already."""
+        return sum(graphs.unseen_bytes for graphs in cls.live)
 
 
-def _pool_bytes(pool) -> int:
-    """The size of the caching allocator's segments that belong to ``pool``."""
+def _unallocated_pool_bytes(pool) -> int:
+    """The bytes of the caching allocator's segments of ``pool`` that no live tensor holds."""
     segments = torch.cuda.memory_snapshot()
-    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == tuple(pool))
+    return sum(
+        s["total_size"] - s["allocated_size"]
+        for s in segments
+        if tuple(s.get("segment_pool_id", ())) == tuple(pool)
+    )
 
 
 @dataclass

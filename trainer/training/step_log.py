@@ -17,17 +17,27 @@ from trainer.training.step import StepResult
 from trainer.training.trackers import Trackers
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak GPU memory since the last record (the counter is reset), or the process's RSS on CPU. On a GPU it
-    includes the memory CUDA graphs' pools hold (their replays' tensors), which the allocator's peak no longer
-    counts once the graphs are captured."""
-    if device.type == "cuda":
-        peak = (torch.cuda.max_memory_allocated(device) + CudaGraphs.held_bytes()) / 2**20
-        torch.cuda.reset_peak_memory_stats(device)
-        return round(peak, 1)
-    import psutil
+class PeakMemory:
+    """Peak GPU memory since the last record (the allocator's counter is reset at each), or the process's RSS
+    on CPU.
 
-    return round(psutil.Process().memory_info().rss / 2**20, 1)
+    On a GPU it adds what CUDA graphs' pools hold and the allocator's peak does not count (their replays'
+    transient tensors), as it stood at the last reset: during the interval in which a graph is captured, its
+    transient tensors are allocated and counted already, so adding them then would count them twice."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.unseen_bytes = CudaGraphs.unseen_bytes_now() if device.type == "cuda" else 0
+
+    def read_mb(self) -> float:
+        if self.device.type != "cuda":
+            import psutil
+
+            return round(psutil.Process().memory_info().rss / 2**20, 1)
+        peak = (torch.cuda.max_memory_allocated(self.device) + self.unseen_bytes) / 2**20
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.unseen_bytes = CudaGraphs.unseen_bytes_now()
+        return round(peak, 1)
 
 
 def make_progress(enabled: bool, step: int, total: int):
@@ -47,6 +57,7 @@ class StepLog:
     ):  # fmt: skip
         self.cfg, self.log, self.accelerator = cfg, log, accelerator
         self.counter, self.trackers = counter, trackers
+        self.peak_memory = PeakMemory(accelerator.device)
         self.total_steps, self.train_rows = total_steps, train_rows
         self.progress = make_progress(
             accelerator.is_main_process and cfg.logging.progress_bar, start_step, total_steps
@@ -85,7 +96,7 @@ class StepLog:
                 steps_per_sec=round(1 / seconds, 4),
                 eta_seconds=round(self.step_time_ema * (total - step), 1),
                 elapsed=round(time.time() - self.train_start, 2),
-                peak_mem_mb=peak_memory_mb(accelerator.device),
+                peak_mem_mb=self.peak_memory.read_mb(),
                 aux_loss=aux,
                 skipped=True if skipped else None,
             )

@@ -1,0 +1,74 @@
+"""The run's peak GPU memory with CUDA graphs (trainer/training/step_log.py, trainer/fastpath/layer_graphs.py).
+
+No GPU here: the allocator's counters and snapshot are stood in for. What is checked is the arithmetic that
+decides the figure the run folder and the benches report: a graph pool's unallocated bytes are added once,
+from the record after the capture on, and its live tensors (counted by the allocator already) never.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.fastpath import layer_graphs
+from trainer.fastpath.layer_graphs import CudaGraphs
+from trainer.training.step_log import PeakMemory
+
+MB = 2**20
+
+
+def test_only_a_pools_unallocated_bytes_count_as_unseen(monkeypatch):
+    pool = (0, 7)
+    segments = [
+        {"segment_pool_id": pool, "total_size": 100 * MB, "allocated_size": 30 * MB},
+        {"segment_pool_id": pool, "total_size": 20 * MB, "allocated_size": 20 * MB},
+        {"segment_pool_id": (0, 0), "total_size": 500 * MB, "allocated_size": 1 * MB},  # another pool's
+        {"total_size": 64 * MB, "allocated_size": 0},  # the default pool's
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert layer_graphs._unallocated_pool_bytes(pool) == 70 * MB
+
+
+class FakeAllocator:
+    """The allocator's peak since its last reset, as a test sets it."""
+
+    def __init__(self, monkeypatch):
+        self.peak = 0
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+
+
+def test_a_captured_pools_transients_count_from_the_record_after_the_capture(monkeypatch):
+    monkeypatch.setattr(CudaGraphs, "live", set())
+    allocator = FakeAllocator(monkeypatch)
+    peak = PeakMemory(torch.device("cuda", 0))
+
+    allocator.peak = 1000 * MB  # an eager step: nothing hidden
+    assert peak.read_mb() == 1000
+
+    # the capture's interval: its transient tensors were allocated then, and the allocator's peak saw them
+    graphs = CudaGraphs.__new__(CudaGraphs)
+    graphs.unseen_bytes = 300 * MB
+    CudaGraphs.live.add(graphs)
+    allocator.peak = 1300 * MB
+    assert peak.read_mb() == 1300
+
+    # replays: the allocator no longer sees the transients, the pool still holds them
+    allocator.peak = 1000 * MB
+    assert peak.read_mb() == 1300
+    assert peak.read_mb() == 1300
+
+
+def test_a_run_that_starts_with_graphs_live_counts_them_from_its_first_record(monkeypatch):
+    graphs = CudaGraphs.__new__(CudaGraphs)
+    graphs.unseen_bytes = 50 * MB
+    monkeypatch.setattr(CudaGraphs, "live", {graphs})
+    allocator = FakeAllocator(monkeypatch)
+    allocator.peak = 200 * MB
+    assert PeakMemory(torch.device("cuda", 0)).read_mb() == 250
+
+
+def test_on_cpu_the_figure_is_the_process_memory():
+    import psutil
+
+    rss = psutil.Process().memory_info().rss / MB
+    assert abs(PeakMemory(torch.device("cpu")).read_mb() - rss) < 200
