@@ -311,6 +311,8 @@ def test_where_the_graphs_apply_and_what_on_insists_on():
     assert graphs_unavailable("auto", cuda, True, 1, fast=False) == "the fast path is off"
     assert "offloaded inputs" in graphs_unavailable("auto", cuda, False, 1, checkpointing=True)
     assert graphs_unavailable("auto", cuda, False, 1) is None  # no checkpointing: the whole layer stack
+    assert "data.packing: false" in graphs_unavailable("auto", cuda, False, 1, packing=False)
+    assert graphs_unavailable("auto", cuda, True, 1, checkpointing=True, packing=False) is None  # one layer's
     assert "2 processes" in graphs_unavailable("auto", cuda, True, 2)
     with pytest.raises(FastPathUnavailable, match="cuda_graphs: on, but 2 processes"):
         graphs_unavailable("on", cuda, True, 2)
@@ -327,3 +329,26 @@ def test_cuda_graphs_on_where_they_cannot_apply_stops_the_run_with_one_line(writ
     assert result.returncode == 2, result.stderr[-2000:]
     expected = "the mamba family's layers are not graphed" if model == "mamba" else "not a CUDA device"
     assert "performance.cuda_graphs: on, but" in result.stderr and expected in result.stderr
+
+
+def test_a_family_run_without_packing_keeps_its_stack_eager(write_config):
+    """The config's data.packing reaches the decision (GLA, no checkpointing, its kernels checked on a GPU)."""
+    from tests.helpers import REPO
+    from trainer.config import load_config
+    from trainer.families.gla import GLA
+    from trainer.model.loading import family_graphs_unavailable
+
+    def reason(packing: bool):
+        cfg = load_config(
+            write_config(
+                {
+                    "model": {"name_or_path": str(REPO / "configs" / "tiny-gla")},
+                    "data": {"packing": packing},
+                    "memory": {"gradient_checkpointing": False},
+                }
+            )
+        )
+        return family_graphs_unavailable(cfg, GLA, torch.device("cuda"), checked=True)
+
+    assert reason(True) is None
+    assert "data.packing: false" in reason(False)

@@ -120,10 +120,16 @@ def graphs_unavailable(
     processes: int,
     fast: bool = True,
     checkpointing: bool = False,
+    packing: bool = True,
 ) -> str | None:
     """Why the decoder layers are not replayed from CUDA graphs (None: they are: the checkpointed ones with
     offloaded inputs through ``layer_graphs``, or without checkpointing all of them through ``stack_graphs``).
-    With ``performance.cuda_graphs: on``, a reason stops the run instead."""
+    With ``performance.cuda_graphs: on``, a reason stops the run instead.
+
+    The whole stack's graphs hold every layer's activations in their pool for as long as the run lasts; a batch
+    of another shape runs eagerly beside them, its activations on top. Packed rows all have one width (but
+    for an epoch's last, shorter row); unpacked rows vary with every batch, so without packing the stack is
+    not graphed."""
     if mode == "off":
         return "performance.cuda_graphs: off"
     reason = None
@@ -136,6 +142,9 @@ def graphs_unavailable(
         reason += "LoRA or QLoRA, not under FSDP)"
     elif processes > 1:
         reason = f"{processes} processes: DDP's gradient hooks would not see the gradients a graph adds"
+    elif not checkpointing and not packing:
+        reason = "without packing (data.packing: false) rows change width from batch to batch, and a graphed "
+        reason += "stack would hold one width's activations beside every other width's"
     if reason and mode == "on":
         raise FastPathUnavailable(f"performance.cuda_graphs: on, but {reason}")
     return reason

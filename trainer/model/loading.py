@@ -407,7 +407,7 @@ def family_graphs_unavailable(cfg: Config, family: Family, device, checked: bool
         return f"the {family.name} family's layers are not graphed"
     checkpointing = cfg.memory.gradient_checkpointing
     return fastpath.graphs_unavailable(
-        cfg.performance.cuda_graphs, device, False, _processes(), checked, checkpointing
+        cfg.performance.cuda_graphs, device, False, _processes(), checked, checkpointing, cfg.data.packing
     )
 
 
@@ -503,8 +503,9 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
     if family.name == "causal":
         offload = offload and cfg.training.method in ("lora", "qlora") and not sharded
         graphs_off = fastpath.graphs_unavailable(
-            cfg.performance.cuda_graphs, device, offload, _processes(), fast.enabled, checkpointing
-        )
+            cfg.performance.cuda_graphs, device, offload, _processes(), fast.enabled, checkpointing,
+            cfg.data.packing,
+        )  # fmt: skip
         fast_report = fastpath.apply(model, fast, offload=offload, sharded=sharded, graphs_off=graphs_off)
     else:
         checked = torch.device(device).type == "cuda" and bool(family.kernel_checks(hf_config, kernel_path))
