@@ -144,9 +144,10 @@ class PerformanceConfig:
     memory.offload_checkpoints, each checkpointed layer's forward, and its recompute with backward, captured at
     its second call (trainer/fastpath/layer_graphs.py); without checkpointing, every layer's forward and
     backward, captured at the second training forward of a shape (trainer/fastpath/stack_graphs.py; causal
-    LMs on the fast path, GLA on its checked Triton kernels). One process only; layers with dropout or hooks,
-    other shapes and calls the family marks (GLA's packed rows) run eagerly. auto takes it where it applies,
-    on insists (exit 2 where it cannot apply), off never."""
+    LMs on the fast path, GLA on its checked Triton kernels; with data.packing, since unpacked batches change
+    width). One process only; layers with dropout or hooks, other shapes and calls the family marks (GLA's
+    packed rows) run eagerly, a graphed stack's batch of another shape beside the activations its pool holds.
+    auto takes it where it applies, on insists (exit 2 where it cannot apply), off never."""
     data_workers: Int = limit(0, ge=0)
     """Processes that tokenize and pack the data into its cache (once per data, tokenizer and settings);
     0: one per CPU core this process may use, at most 16."""
