@@ -135,6 +135,19 @@ def test_rows_of_one_document_each_stay_rows_and_give_the_varlen_logits(gla_mode
     assert gla.eager_call(varlen) and gla.eager_call({"attention_mask": torch.ones(2, 3)})
     two_docs = collate([Sequence(docs[0], docs[0], list(range(20)) + list(range(20)))], 0)
     assert "cu_seqlens" in family_inputs(model, two_docs)
+    # a short row's padding unmasked (what a graphed stack's step passes): rows still, so the batch replays
+    from trainer.families.base import unmask_right_padding
+
+    short = collate([Sequence(d, d, list(range(len(d)))) for d in (docs[0], docs[1][:25])], 0)
+    assert gla.eager_call(family_inputs(model, short))
+    unmasked = family_inputs(model, unmask_right_padding(short))
+    assert set(unmasked) == {"input_ids"} and not gla.eager_call(unmasked)
+    with torch.no_grad():
+        masked_logits = model(**family_inputs(model, short)).logits.reshape(2, 40, -1)
+        logits = model(**unmasked).logits
+    torch.testing.assert_close(
+        logits[short["token_mask"]], masked_logits[short["token_mask"]], rtol=0, atol=1e-5
+    )
 
 
 def test_reference_op_keeps_varlen_sequences_and_states_apart():

@@ -192,3 +192,70 @@ def test_the_decoder_layers_are_found_once():
 
     model = torch.nn.Sequential(Block(), Block())
     assert decoder_layers(model) == [model[0], model[1]]
+
+
+def padded_batches(n: int, short: int, width: int = 24, seed: int = 0) -> list[dict]:
+    """Collated batches of two one-document rows; the last batch's second row has ``short`` tokens."""
+    from trainer.data.batches import collate
+    from trainer.data.rows import Sequence
+
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        lengths = (width, short if i == n - 1 else width)
+        rows = [torch.randint(3, 1024, (length,), generator=generator).tolist() for length in lengths]
+        out.append(collate([Sequence(r, r, list(range(len(r)))) for r in rows], pad_id=0))
+    return out
+
+
+def test_right_padding_unmasked_gives_every_real_token_the_masked_logits(write_config):
+    """``unmask_right_padding``: no mask, the padding's positions counting on, and the same logits and loss
+    for every real token (causal attention never looks right), so graphed runs may drop the mask."""
+    from trainer.families.base import causal_inputs, unmask_right_padding
+
+    batch = padded_batches(1, short=17)[0]
+    assert "attention_mask" in batch
+    unmasked = unmask_right_padding(batch)
+    assert "attention_mask" not in unmasked and torch.equal(unmasked["token_mask"], batch["token_mask"])
+    assert torch.equal(unmasked["position_ids"], torch.arange(24).expand(2, 24))
+    model = llama(write_config)
+    with torch.no_grad():
+        masked = model(**causal_inputs(batch), use_cache=False).logits
+        plain = model(**causal_inputs(unmasked), use_cache=False).logits
+    real = batch["token_mask"]
+    assert rel_err(plain[real], masked[real]) < 1e-5
+    assert unmask_right_padding(padded_batches(1, short=24)[0]).keys() == batch.keys() - {"attention_mask"}
+
+
+def test_a_short_rows_batch_replays_and_trains_as_the_masked_eager_one(write_config):
+    """With the stack graphed, the step's inputs (``step_inputs``) drop the padding mask, so a batch holding an
+    epoch's last, shorter row calls the layers as the full ones did and replays, instead of running eagerly
+    beside the pool; its loss and gradients are the eager, masked ones. Without graphs the mask stays."""
+    import contextlib
+    import types
+
+    from trainer import fastpath
+    from trainer.families.causal import CAUSAL
+    from trainer.training.step import FullCrossEntropy, step_inputs
+
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), autocast=contextlib.nullcontext)
+    data = padded_batches(3, short=17)
+    model, reference = llama(write_config), llama(write_config)
+    eager_inputs = step_inputs(reference, CAUSAL)
+    assert "attention_mask" in eager_inputs(data[-1])
+    graphs = graphed(model)
+    setattr(model, fastpath.STACK_ATTRIBUTE, graphs)
+    loss_fn, eager_loss_fn = FullCrossEntropy(step_inputs(model, CAUSAL)), FullCrossEntropy(eager_inputs)
+    replayed = []
+    for batch in data:
+        loss, _ = loss_fn(model, batch, accelerator)
+        replayed.append(graphs.replaying)
+        want, _ = eager_loss_fn(reference, batch, accelerator)
+        assert float(loss) == pytest.approx(float(want), rel=1e-5)
+        loss.backward()
+        want.backward()
+    assert replayed == [False, True, True]
+    named = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert rel_err(param.grad, named[name].grad) < 1e-5, name

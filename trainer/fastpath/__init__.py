@@ -127,9 +127,9 @@ def graphs_unavailable(
     With ``performance.cuda_graphs: on``, a reason stops the run instead.
 
     The whole stack's graphs hold every layer's activations in their pool for as long as the run lasts; a batch
-    of another shape runs eagerly beside them, its activations on top. Packed rows all have one width (but
-    for an epoch's last, shorter row); unpacked rows vary with every batch, so without packing the stack is
-    not graphed."""
+    of another shape runs eagerly beside them, its activations on top. Packed batches all have one width (a
+    short row's padding is unmasked so its batch replays: ``step.step_inputs``); unpacked batches take the
+    width of their longest row, so without packing the stack is not graphed."""
     if mode == "off":
         return "performance.cuda_graphs: off"
     reason = None

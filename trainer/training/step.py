@@ -31,6 +31,7 @@ from trainer.data.batches import (  # noqa: F401 - the step's rows; tests and th
     split_rows,
 )
 from trainer.data.rows import IGNORE, Sequence
+from trainer.families.base import unmask_right_padding
 from trainer.model import chunked_loss
 from trainer.training import fsdp
 
@@ -107,11 +108,25 @@ class StepKernels:
     prepare: Callable[[torch.nn.Module], torch.nn.Module] = _as_loaded
 
 
+def step_inputs(model, family) -> Callable[[dict], dict]:
+    """The family's ``model_inputs``; where the decoder stack replays from CUDA graphs, after
+    ``unmask_right_padding``, so that a batch with a short row replays too. A model whose forward computes a
+    router aux loss keeps the mask, which leaves padding out of it."""
+    from trainer import fastpath
+    from trainer.fastpath.stack_graphs import StackGraphs
+
+    routed = bool(getattr(getattr(model, "config", None), "output_router_logits", False))
+    if routed or not isinstance(fastpath.layer_graphs_of(model), StackGraphs):
+        return family.model_inputs
+    return lambda batch: family.model_inputs(unmask_right_padding(batch))
+
+
 def reference_kernels(model, family) -> StepKernels:
     """transformers' forward with the family's inputs; chunked cross-entropy where model loading enabled it."""
+    inputs = step_inputs(model, family)
     if chunked_loss.enabled(model):
-        return StepKernels("reference-chunked-ce", HeadLoss(family.model_inputs))
-    return StepKernels("reference", FullCrossEntropy(family.model_inputs))
+        return StepKernels("reference-chunked-ce", HeadLoss(inputs))
+    return StepKernels("reference", FullCrossEntropy(inputs))
 
 
 def kernels_for(model, family) -> StepKernels:
@@ -119,7 +134,7 @@ def kernels_for(model, family) -> StepKernels:
     from trainer import fastpath
 
     if fastpath.enabled(model):
-        return StepKernels("fast-path", HeadLoss(family.model_inputs, fastpath.fused_cross_entropy))
+        return StepKernels("fast-path", HeadLoss(step_inputs(model, family), fastpath.fused_cross_entropy))
     return reference_kernels(model, family)
 
 
