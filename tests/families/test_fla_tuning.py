@@ -64,6 +64,7 @@ def on_a_gpu(monkeypatch, tmp_path):
     """CUDA looks available, the GPU is called ``Test_GPU``, fla's lookup is off, the user set nothing."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cache, "get_gpu_info", lambda: "Test_GPU")
+    monkeypatch.setattr(fla_tuning, "this_card", lambda: {"capability": [8, 0], "multiprocessors": 108})
     monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FlaCacheMode.DISABLED)
     monkeypatch.setattr(fla_tuning, "CONFIG_ROOT", tmp_path / "fla_configs")
     for name in fla_tuning.USER_SETTINGS:  # set, then removed: monkeypatch puts them back as they were after
@@ -115,3 +116,35 @@ def test_fla_kernels_on_triton_autotune_get_the_lookup_too(tmp_path, monkeypatch
     tuner.maybe_load_cached_config(cache.AutotuneKey(tuple(KEY)), nargs={}, runtime_kwargs={})
     chosen = tuner.cache[tuple(KEY)]
     assert chosen.kwargs == {"BK": 64} and chosen.num_warps == 4
+
+
+H100 = {"capability": [9, 0], "multiprocessors": 132}
+
+
+def test_a_card_of_the_same_architecture_and_size_borrows_a_measured_cards_configs(
+    on_a_gpu, monkeypatch, capsys
+):
+    """A card with no folder of its own (an H200) takes the configurations measured on one with the same compute
+    capability and multiprocessor count (the H100 SXM), saying so; a card of another size autotunes."""
+    root = on_a_gpu.parent
+    measured = root / "Measured_GPU"
+    measured.mkdir(parents=True)
+    (measured / "k.json").write_text("{}")
+    (root / fla_tuning.CARDS_FILE).write_text(json.dumps({"Measured_GPU": H100}))
+    monkeypatch.setattr(fla_tuning, "this_card", lambda: {"capability": [9, 0], "multiprocessors": 114})
+    assert fla_tuning.use_tuned_configs() is None  # an H100 PCIe's size: autotunes
+    monkeypatch.setattr(fla_tuning, "this_card", lambda: dict(H100))
+    assert fla_tuning.use_tuned_configs() == measured
+    assert cache.FLA_CACHE_MODE is cache.FlaCacheMode.STRICT and cache.get_fla_config_dir() == measured
+    assert "for Measured_GPU, measured there for this Test_GPU of the same" in capsys.readouterr().out
+    on_a_gpu.mkdir()
+    assert fla_tuning.folder_for("Test_GPU", H100) == (on_a_gpu, False)  # its own folder comes first
+
+
+def test_the_shipped_cards_file_names_shipped_folders():
+    cards = json.loads((fla_tuning.CONFIG_ROOT / fla_tuning.CARDS_FILE).read_text())
+    assert cards and all((fla_tuning.CONFIG_ROOT / name).is_dir() for name in cards)
+    assert {
+        "capability": [9, 0],
+        "multiprocessors": 132,
+    } in cards.values()  # the H100 SXM, which an H200 matches

@@ -15,14 +15,21 @@ its kernels with Triton's plain autotuner, which has none) and turns it on in ``
 that one configuration; any other shape, dtype or card autotunes as before, once per machine. The start-up
 self-check still measures the kernels that run. ``FLA_CONFIG_DIR`` or ``FLA_CACHE_MODE`` set by the user are
 left alone (``FLA_CACHE_MODE=disabled`` autotunes everything, as before).
+
+A card with no folder of its own borrows one measured on a card of the same architecture and size
+(``fla_configs/cards.json``: compute capability and multiprocessor count), e.g. an H200 the H100 SXM's: the same
+SMs run the same kernels, and a configuration decides speed, never results. Without this a fresh H200 spent
+minutes autotuning GLA-340M's kernels (bench/RESULTS.md, session 23).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 CONFIG_ROOT = Path(__file__).resolve().parent / "fla_configs"
+CARDS_FILE = "cards.json"  # in CONFIG_ROOT: the card each folder was measured on
 USER_SETTINGS = ("FLA_CONFIG_DIR", "FLA_CACHE_MODE")
 _ANNOUNCED: set[str] = set()
 
@@ -30,6 +37,28 @@ _ANNOUNCED: set[str] = set()
 def config_dir(gpu_name: str) -> Path:
     """The kit's folder for this GPU model (fla's sanitized device name, e.g. ``NVIDIA_H100_80GB_HBM3``)."""
     return CONFIG_ROOT / gpu_name
+
+
+def this_card() -> dict:
+    """GPU 0's architecture and size, as ``cards.json`` records a card."""
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return {"capability": [props.major, props.minor], "multiprocessors": props.multi_processor_count}
+
+
+def folder_for(gpu_name: str, card: dict) -> tuple[Path, bool] | None:
+    """The kit's folder for this card, and whether it is borrowed: its own, else the first one measured on a
+    card with the same compute capability and multiprocessor count; None where neither is shipped."""
+    own = config_dir(gpu_name)
+    if own.is_dir():
+        return own, False
+    cards_file = CONFIG_ROOT / CARDS_FILE
+    shipped = json.loads(cards_file.read_text()) if cards_file.is_file() else {}
+    for name, measured_on in sorted(shipped.items()):
+        if measured_on == card and config_dir(name).is_dir():
+            return config_dir(name), True
+    return None
 
 
 def use_tuned_configs() -> Path | None:
@@ -42,11 +71,13 @@ def use_tuned_configs() -> Path | None:
     try:
         from fla.ops.utils import cache
 
-        folder = config_dir(cache.get_gpu_info())
+        gpu_name = cache.get_gpu_info()
+        found = folder_for(gpu_name, this_card())
     except Exception:  # noqa: BLE001 - fla or triton absent or broken, or no device to name: nothing to configure
         return None
-    if not folder.is_dir():
+    if found is None:
         return None
+    folder, borrowed = found
     routed = route_autotuners_through_lookup(cache.CachedAutotuner)
     # fla reads FLA_CONFIG_DIR at every lookup, and its mode from a module global it sets at import.
     os.environ["FLA_CONFIG_DIR"] = str(folder)
@@ -55,9 +86,12 @@ def use_tuned_configs() -> Path | None:
     cache.FLA_CACHE_MODE = cache.FlaCacheMode.STRICT
     if str(folder) not in _ANNOUNCED:
         _ANNOUNCED.add(str(folder))
+        measured = (
+            f", measured there for this {gpu_name} of the same architecture and size" if borrowed else ""
+        )
         print(
-            f"fla: tuned Triton configurations for {folder.name} ({len(list(folder.glob('*.json')))} kernels, "
-            f"lookup on for {routed} autotuners); shapes not among them autotune once per machine",
+            f"fla: tuned Triton configurations for {folder.name}{measured} ({len(list(folder.glob('*.json')))} "
+            f"kernels, lookup on for {routed} autotuners); shapes not among them autotune once per machine",
             flush=True,
         )
     return folder
