@@ -72,3 +72,20 @@ def test_on_cpu_the_figure_is_the_process_memory():
 
     rss = psutil.Process().memory_info().rss / MB
     assert abs(PeakMemory(torch.device("cpu")).read_mb() - rss) < 200
+
+
+def test_the_cache_is_handed_back_once_before_the_first_capture(monkeypatch):
+    """The eager step's freed activations sit in the allocator's cache, which the graphs' pool cannot use:
+    ``CudaGraphs`` empties the cache before it makes its pool, once, and not between later captures."""
+    import contextlib
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: calls.append("pool") or (0, 1))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", lambda *args, **kwargs: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [])
+    graphs = CudaGraphs()
+    for _ in range(3):
+        graphs.capture(lambda: calls.append("body"))
+    assert calls == ["empty_cache", "pool", "body", "body", "body"]

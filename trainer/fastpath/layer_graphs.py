@@ -52,6 +52,9 @@ class CudaGraphs:
 
     def capture(self, body):
         if self.pool is None:
+            # The eager step before the first capture left its activations in the allocator's cache, where the
+            # graphs' own pool cannot take them: hand them back, or the process holds both sets from now on.
+            torch.cuda.empty_cache()
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: a CUDA call from another thread (telemetry) neither breaks the capture nor fails itself
