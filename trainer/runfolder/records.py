@@ -108,7 +108,9 @@ class TrainRecord(Record):
     elapsed: float
     """Seconds spent training in this process (since this start or resume)."""
     peak_mem_mb: float | None
-    """Peak accelerator memory (MiB) of rank 0 since the last record; CPU runs: the process's RSS."""
+    """Peak accelerator memory (MiB) of rank 0 since the last record, plus the part of CUDA graphs' memory
+    pools that no live tensor holds (their replays' transient tensors, which the allocator's own peak stops
+    counting once capture ends; added from the record after the capture); CPU runs: the process's RSS."""
     aux_loss: float | None = None
     """Router load-balancing loss, averaged over ranks (MoE models that return one)."""
     skipped: bool | None = None
