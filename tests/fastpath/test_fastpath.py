@@ -465,8 +465,9 @@ def test_grouped_qkv_falls_back_when_the_attention_code_does_something_else(writ
     assert STASH not in attn.v_proj.__dict__
 
 
-def checkpointed_llama(write_config, dropout: float = 0.0):
-    """tiny-llama with LoRA and transformers' checkpointing on (CPU: the fast path itself is refused)."""
+def checkpointed_llama(write_config, dropout: float = 0.0, checkpointing: bool = True):
+    """tiny-llama with LoRA, transformers' checkpointing on unless ``checkpointing`` is False (CPU: the fast path
+    itself is refused)."""
     from trainer.model.loading import load_for_training
 
     cfg = load_config(
@@ -475,7 +476,7 @@ def checkpointed_llama(write_config, dropout: float = 0.0):
                 "model": {"name_or_path": str(REPO / "configs" / "tiny-llama")},
                 "training": {"method": "lora"},
                 "lora": {"dropout": 0.0, "target_modules": ALL_LINEAR},
-                "memory": {"gradient_checkpointing": True},
+                "memory": {"gradient_checkpointing": checkpointing},
             }
         )
     )

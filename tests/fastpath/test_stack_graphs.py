@@ -11,10 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fastpath.test_fastpath import ALL_LINEAR, rel_err
+from tests.fastpath.test_fastpath import ALL_LINEAR, checkpointed_llama, rel_err
 from tests.fastpath.test_layer_graphs import ReplayOnCpu
-from tests.helpers import REPO
-from trainer.config import load_config
 from trainer.fastpath import decoder_layers, stack_graphs
 from trainer.fastpath.lora_ops import track_updates
 from trainer.fastpath.patch import patch_lora_linears
@@ -22,23 +20,7 @@ from trainer.fastpath.patch import patch_lora_linears
 
 def llama(write_config):
     """tiny-llama (two layers) with LoRA on every linear layer as the fast path's nodes, no checkpointing."""
-    from trainer.model.loading import load_for_training
-
-    cfg = load_config(
-        write_config(
-            {
-                "model": {"name_or_path": str(REPO / "configs" / "tiny-llama")},
-                "training": {"method": "lora"},
-                "lora": {"dropout": 0.0, "target_modules": ALL_LINEAR},
-                "memory": {"gradient_checkpointing": False},
-            }
-        )
-    )
-    model = load_for_training(cfg, torch.device("cpu")).model
-    torch.manual_seed(0)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            param.data.normal_(0, 0.05)
+    model = checkpointed_llama(write_config, checkpointing=False)
     fused, _ = patch_lora_linears(model)
     assert fused == 2 * len(ALL_LINEAR)
     model.train()
