@@ -237,8 +237,9 @@ def apply(
     """Put the fast path on ``model`` where ``decision`` allows; the report says what was done and carries the
     self-check's measured errors. ``offload``: checkpointed layers keep their inputs in pinned host memory
     (trainer/fastpath/offload.py). ``sharded`` (FSDP2): the fused nodes read each layer's weights at the call,
-    as FSDP gathers them; the loss stays the chunked cross-entropy, and MoE experts keep bitsandbytes' modules
-    (the grouped path packs whole expert weights once, which sharding would copy onto every rank).
+    as FSDP gathers them, and so does the fused loss (the head belongs to the root unit, gathered after the
+    forward); MoE experts keep bitsandbytes' modules (the grouped path packs whole expert weights once, which
+    sharding would copy onto every rank).
     ``graphs_off``: why the offloaded layers are not replayed from CUDA graphs (``graphs_unavailable``); None:
     they are."""
     report = _report(model, decision)
@@ -261,7 +262,7 @@ def apply(
         report.cuda_graphs = graph_layer_stack(model)
     if graphs_off is not None:
         report.cuda_graphs = f"off: {graphs_off}"
-    report.fused_loss = _use_fused_loss(model, allowed=not sharded)
+    report.fused_loss = _use_fused_loss(model)
     if report.lora_modules_fused == 0 and lora_module_count(model) == 0:
         report.reason = "no LoRA modules (full fine-tuning): kernels and loss only"
     return report
