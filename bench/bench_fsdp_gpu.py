@@ -11,8 +11,8 @@ cells add each rank's parameter bytes after sharding (the trainer's "fsdp sharde
 The memory section's DDP and FSDP cells run the reference path (performance.fast_path: off): the comparison
 isolates sharding. A "ddp+fast" row per model shows DDP on one GPU as users get it (fast path on). Mode
 "fsdp+fast" (not in the default set) adds, on each larger GPU count, FSDP with the fast path (its fused LoRA
-nodes on the weights FSDP gathers; the loss chunked) and DDP with the fast path on as many GPUs: the pair
-issue 31 compares (tokens/s per GPU of FSDP at least 0.9x DDP's).
+nodes on the weights FSDP gathers, the fused loss on the gathered head) and DDP with the fast path on as many
+GPUs: the pair issue 31 compares (tokens/s per GPU of FSDP at least 0.9x DDP's).
 
 Each finished cell is printed as a JSON line and written into report.json at once, so a run cut short keeps
 what finished; --budget S starts no cell after S seconds and stops a running one at S (status "timeout").

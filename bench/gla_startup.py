@@ -12,10 +12,14 @@ configurations (trainer/families/fla_tuning.py). ``--model gla-340m`` trains ben
 ``export`` turns a Triton cache's autotuning results (``*.autotune.json``, written because fla runs its autotuner
 with ``cache_results``) into fla's config files (``{kernel}.json`` with ``autotune_entries``), the folder
 ``trainer/families/fla_configs/<GPU>/`` ships. A kernel name whose entries disagree for one key (two kernels of
-one name) is left out: it autotunes.
+one name) is left out: it autotunes. ``--add-to-existing --measured-on CARD`` adds to a shipped folder only the
+keys it lacks, each marked with the card that measured it (an H200's picks for shapes the H100 folder lacks:
+the H200 borrows that folder, trainer/families/fla_configs/cards.json).
 
     python bench/gla_startup.py run --label fresh --fresh --triton-cache /tmp/tc --out $OUT/startup.json
     python bench/gla_startup.py export --triton-cache /tmp/tc --to trainer/families/fla_configs/NVIDIA_H100_80GB_HBM3
+    python bench/gla_startup.py export --configs /tmp/h200 --to trainer/families/fla_configs/NVIDIA_H100_80GB_HBM3 \
+        --add-to-existing --measured-on NVIDIA_H200
     python bench/gla_startup.py table $OUT/startup.json
 """
 
@@ -158,12 +162,16 @@ def _key_hash(key) -> str:
 
 
 def export(args) -> int:
-    """Triton's ``*.autotune.json`` under ``--triton-cache`` -> fla's ``{kernel}.json`` files in ``--to``."""
+    """Triton's ``*.autotune.json`` under ``--triton-cache`` (or an earlier export's files, ``--configs``) -> fla's
+    ``{kernel}.json`` files in ``--to``; with ``--add-to-existing`` into a shipped folder, adding only its missing
+    keys, each marked with ``--measured-on``."""
     import triton
 
     entries: dict[str, dict[str, dict]] = {}
     conflicts: set[str] = set()
-    for path in sorted(Path(args.triton_cache).rglob("*.autotune.json")):
+    for path in sorted(Path(args.configs).glob("*.json")) if args.configs else ():  # already fla's format
+        entries[path.stem] = json.loads(path.read_text())["autotune_entries"]
+    for path in sorted(Path(args.triton_cache).rglob("*.autotune.json")) if args.triton_cache else ():
         kernel = path.name.removesuffix(".autotune.json")
         data = json.loads(path.read_text())
         timed = [(c, t) for c, t in data["configs_timings"] if all(map(math.isfinite, t))]
@@ -184,14 +192,25 @@ def export(args) -> int:
         entries[kernel][digest] = entry
     folder = Path(args.to)
     folder.mkdir(parents=True, exist_ok=True)
-    written = 0
+    written = added = 0
     for kernel, found in sorted(entries.items()):
         if kernel in conflicts:
             continue
-        body = {"kernel_name": kernel, "triton_version": triton.__version__, "autotune_entries": found}
-        (folder / f"{kernel}.json").write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+        path = folder / f"{kernel}.json"
+        if args.add_to_existing and path.exists():  # the folder's own entries stay; keys it lacks are added
+            body = json.loads(path.read_text())
+            new = {k: v for k, v in found.items() if k not in body["autotune_entries"]}
+        else:
+            body = {"kernel_name": kernel, "triton_version": triton.__version__, "autotune_entries": {}}
+            new = found
+        for entry in new.values():
+            if args.measured_on:
+                entry["measured_on"] = args.measured_on
+        body["autotune_entries"].update(new)
+        path.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
         written += 1
-    print(f"wrote {written} kernels ({sum(len(v) for v in entries.values())} keys) to {folder}", flush=True)
+        added += len(new)
+    print(f"wrote {written} kernels ({added} keys) to {folder}", flush=True)
     if conflicts:
         print(f"left out (entries disagree for one key): {', '.join(sorted(conflicts))}", flush=True)
     return 0
@@ -235,8 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--out", help="append the row to this JSON list")
     one.add_argument("--log", help="write the run's output, time-stamped, here")
     ex = verbs.add_parser("export")
-    ex.add_argument("--triton-cache", required=True)
+    source = ex.add_mutually_exclusive_group(required=True)
+    source.add_argument("--triton-cache")
+    source.add_argument("--configs", help="a folder of fla config files (an earlier export) instead")
     ex.add_argument("--to", required=True)
+    ex.add_argument(
+        "--add-to-existing",
+        action="store_true",
+        help="keep the kernel files already in --to and add only the keys they lack (a shipped folder)",
+    )
+    ex.add_argument("--measured-on", help="mark each written entry with the card it was measured on")
     tb = verbs.add_parser("table")
     tb.add_argument("results")
     args = parser.parse_args(argv)

@@ -59,6 +59,42 @@ def test_two_kernels_of_one_name_disagreeing_are_left_to_autotune(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bwd_kernel.json"]
 
 
+def test_an_export_adds_only_the_keys_a_shipped_folder_lacks_marked_with_their_card(tmp_path, monkeypatch):
+    """``export --configs DIR --add-to-existing --measured-on CARD``: the shipped folder's own entries stay as they
+    were; a key it lacks is added, marked with the card that measured it, and fla's lookup finds both."""
+    shipped_cache, other_cache = tmp_path / "shipped-triton", tmp_path / "other-triton"
+    _triton_cache(shipped_cache, "chunk_gla_fwd_kernel_o", KEY, {(32, 4): 0.01})
+    plain_key = [*KEY[:2], False, *KEY[3:]]
+    _triton_cache(other_cache, "chunk_gla_fwd_kernel_o", KEY, {(64, 8): 0.01})  # the shipped pick stays
+    _triton_cache(other_cache, "chunk_gla_fwd_kernel_o", plain_key, {(64, 2): 0.01})
+    shipped, other = tmp_path / "shipped", tmp_path / "other"
+    assert gla_startup.main(["export", "--triton-cache", str(shipped_cache), "--to", str(shipped)]) == 0
+    assert gla_startup.main(["export", "--triton-cache", str(other_cache), "--to", str(other)]) == 0
+    assert (
+        gla_startup.main(
+            [
+                "export",
+                "--configs",
+                str(other),
+                "--to",
+                str(shipped),
+                "--add-to-existing",
+                "--measured-on",
+                "H200",
+            ]
+        )
+        == 0
+    )
+    entries = json.loads((shipped / "chunk_gla_fwd_kernel_o.json").read_text())["autotune_entries"]
+    assert sorted(str(e.get("measured_on")) for e in entries.values()) == ["H200", "None"]
+    monkeypatch.setenv("FLA_CONFIG_DIR", str(shipped))
+    monkeypatch.setattr(cache, "FLA_CACHE_MODE", cache.FlaCacheMode.STRICT)
+    own = cache.load_cached_config("chunk_gla_fwd_kernel_o", cache.AutotuneKey(tuple(KEY)))
+    added = cache.load_cached_config("chunk_gla_fwd_kernel_o", cache.AutotuneKey(tuple(plain_key)))
+    assert (own["kwargs"], own["num_warps"]) == ({"BK": 32}, 4)
+    assert (added["kwargs"], added["num_warps"]) == ({"BK": 64}, 2)
+
+
 @pytest.fixture
 def on_a_gpu(monkeypatch, tmp_path):
     """CUDA looks available, the GPU is called ``Test_GPU``, fla's lookup is off, the user set nothing."""
