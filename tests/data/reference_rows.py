@@ -173,7 +173,8 @@ def pack(pieces: list[tuple[list[int], list[int]]], max_length: int, pad_id: int
 
     Position ids restart at each document, so transformers' causal models attend within a document
     only; the first label of each segment is ignored so no token is predicted across a boundary.
-    The last row is filled with a padding segment that is masked out of the loss.
+    The last row is filled with padding that is masked out of the loss, its positions counting on from the
+    row's last segment (layout 2 of the data cache: padding is no document of its own).
     """
     rows: list[Sequence] = []
     ids: list[int] = []
@@ -194,7 +195,12 @@ def pack(pieces: list[tuple[list[int], list[int]]], max_length: int, pad_id: int
                 ids, labels, positions = [], [], []
     if ids:
         fill = max_length - len(ids)
-        rows.append(Sequence(ids + [pad_id] * fill, labels + [IGNORE] * fill, positions + list(range(fill))))
+        after = positions[-1] + 1
+        rows.append(
+            Sequence(
+                ids + [pad_id] * fill, labels + [IGNORE] * fill, positions + list(range(after, after + fill))
+            )
+        )
     return rows
 
 

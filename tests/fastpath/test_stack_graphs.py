@@ -241,3 +241,48 @@ def test_a_short_rows_batch_replays_and_trains_as_the_masked_eager_one(write_con
     for name, param in model.named_parameters():
         if param.requires_grad:
             assert rel_err(param.grad, named[name].grad) < 1e-5, name
+
+
+def test_a_batch_that_cannot_replay_runs_checkpointed_and_trains_as_the_eager_one(write_config, monkeypatch):
+    """After the capture, a batch the graphs cannot take (packed documents after plain rows: the layers get a
+    mask they were not captured with) runs eagerly under activation checkpointing, so it keeps far fewer saved
+    tensors than an eager forward would beside the graphs' pool; its loss and gradients are the eager ones."""
+    calls = []
+    real_checkpoint = stack_graphs.checkpoint
+
+    def counted(function, *args, **kwargs):
+        calls.append(function)
+        return real_checkpoint(function, *args, **kwargs)
+
+    monkeypatch.setattr(stack_graphs, "checkpoint", counted)
+    model, reference = llama(write_config), llama(write_config)
+    graphs = graphed(model)
+    ids = batches(3)
+    packed = torch.arange(24).remainder(8).expand(2, 24)  # three documents in each row
+
+    def run(m, saved: list):
+        losses = []
+        for i, x in enumerate(ids):
+            extra = {"position_ids": packed} if i == 2 else {}
+            sizes = []
+
+            def pack(t, sizes=sizes):
+                sizes.append(t.numel())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = m(input_ids=x, labels=x, use_cache=False, **extra).loss
+            loss.backward()
+            losses.append(float(loss))
+            saved.append(sum(sizes))
+        return losses
+
+    saved, saved_eager = [], []
+    losses, want = run(model, saved), run(reference, saved_eager)
+    assert graphs.signature is not None and len(calls) == 2  # both layers, the packed batch only
+    assert losses == pytest.approx(want, rel=1e-5)
+    assert saved[2] < 0.5 * saved_eager[2]
+    named = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            assert rel_err(param.grad, named[name].grad) < 1e-5, name

@@ -20,7 +20,7 @@ from pathlib import Path
 CACHE_ENV = "FINETUNE_KIT_DATA_CACHE"
 META = "meta.json"
 KIND = "finetune-kit data cache"
-LAYOUT_VERSION = 1  # bump when the rows a given input produces change
+LAYOUT_VERSION = 2  # bump when the rows a given input produces change (2: the last row's padding positions)
 DIGESTS = ".digests.json"
 HASH_BLOCK = 8 << 20
 

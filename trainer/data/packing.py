@@ -4,7 +4,8 @@ pack them into rows of exactly ``max_length`` or keep one piece per row.
 The rows are exactly those of the list-based packer this replaced: documents are concatenated in order and
 cut at row ends; every piece of a document that a row or a ``max_length`` boundary starts is a segment whose
 position ids restart at 0 and whose first label is ignored, so no token is predicted across a boundary; the
-last row is filled with padding that is masked out of the loss.
+last row is filled with padding that is masked out of the loss, its positions counting on from the row's last
+segment (a padding segment restarting at 0 made that row's batch a packed one, with a block-diagonal mask).
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ class Packer:
             self.writer.write(
                 np.full(fill, self.pad_id, np.int64),
                 np.zeros(fill, np.uint8),
-                np.arange(fill, dtype=np.int64),
+                # positions count on from the open segment: padding is no document of its own, so a batch
+                # holding this row stays plain (causal attention, no mask; never looking right, and the
+                # padding's labels ignored, no real token's output changes)
+                np.arange(self.last_pos + 1, self.last_pos + 1 + fill, dtype=np.int64),
                 np.array([fill]),
             )
         return self.writer.close()  # RowWriter: the number of rows

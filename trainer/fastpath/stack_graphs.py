@@ -19,9 +19,13 @@ How (``StackGraphs``): each layer's ``forward`` goes through ``_call``.
 - Parameter gradients are added inside the backward graphs into buffers that become ``.grad``
   (``layer_graphs.adopt_grads``), so accumulation over micro-batches is a sum whatever zero_grad did.
 
-Eager, as the model was: evaluation and no-grad forwards, a call whose shapes or plain arguments differ from
-the captured ones, a call the family marks unsafe (``eager_call``: GLA's varlen rows, whose chunk layout fla
-reads on the host), and everything once a capture fails or a layer has hooks or dropout (``off`` says why).
+Eager, as the model was: evaluation and no-grad forwards, a call the family marks unsafe (``eager_call``: GLA's
+varlen rows, whose chunk layout fla reads on the host; frequent, so run as they are), and everything once a
+capture fails or a layer has hooks or dropout (``off`` says why). A training call after the capture whose
+shapes, mask or plain arguments differ from the captured ones (a batch of packed documents among plain rows, an
+odd shape) runs eagerly under activation checkpointing: the graphs' pool holds the replays' activations all the
+while, and a whole second set beside it was 8.8 GiB more for Llama-1B at 4 x 2048 (bench/RESULTS.md,
+sessions 23-24); checkpointed, the step keeps one input per layer and recomputes each layer in backward.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from trainer.fastpath import lora_ops
 from trainer.fastpath.layer_graphs import CudaGraphs, _autocast, _plain, adopt_grads, why_eager
@@ -123,6 +128,10 @@ class StackGraphs:
             new = _Replayed.apply(self, index, self.anchor, hidden)
             leaves, spec = self.recorded[index].out_spec
             return pytree.tree_unflatten([new, *leaves[1:]], spec)
+        if self.signature is not None and call.signature[0] != "eager":
+            # Captured, and this training call cannot replay (another shape or mask: an epoch's odd batch).
+            # Checkpointed, it keeps one input per layer instead of a whole set of activations beside the pool.
+            return checkpoint(original, hidden, *args, use_reentrant=False, **kwargs)
         out = original(hidden, *args, **kwargs)
         if self.signature is None:  # the calls the capture will follow: the last eager forward's
             self.recorded[index] = call
