@@ -158,6 +158,12 @@ class PerformanceConfig:
     batches itself), so this changes nothing today. Old launch scripts' PIN_MEMORY maps here."""
     torch_threads: Int = 0
     """torch's CPU threads (torch.set_num_threads); 0: torch's default."""
+    profile_from: Int = limit(0, ge=0)
+    """Profile optimizer steps with torch.profiler from this step on (1 is the first); 0: never. Every process
+    writes profile/rank<N>-steps<A>-<B>.trace.json (Perfetto, chrome://tracing) and a .txt beside it (time by
+    op and kernel) into the run folder (trainer/training/profiling.py)."""
+    profile_steps: Int = limit(2, gt=0)
+    """How many optimizer steps profile_from profiles."""
 
 
 @dataclass(config=SECTION)

@@ -16,6 +16,9 @@ REPORT_DIR = "report"  # end-of-run report (trainer.reports.report)
 PLAN_JSON = "plan.json"  # `plan` / `train --auto-plan`: every candidate measured, and the choice
 PLANNED_CONFIG = "planned_config.yaml"  # `plan`'s config with the choice
 TRACKERS_DIR = "trackers"  # TensorBoard / W&B / MLflow files (logging.report_to)
+PROFILE_DIR = (
+    "profile"  # torch.profiler traces of chosen steps (performance.profile_from, trainer.training.profiling)
+)
 LOGS_DIR = "logs"
 TRAINING_LOG = "training_log.jsonl"
 EVAL_LOG = "eval_log.jsonl"

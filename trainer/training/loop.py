@@ -40,6 +40,7 @@ from trainer.training.evaluation import Evaluator
 from trainer.training.faults import NO_FAULTS, Faults
 from trainer.training.oom_retry import OomFallback
 from trainer.training.optim import make_optimizer, make_scheduler
+from trainer.training.profiling import StepProfiler
 from trainer.training.signals import StopFlag, Stopped
 from trainer.training.step import Step, StepShape, choose_kernels, next_step_rows
 from trainer.training.step_log import StepLog
@@ -340,8 +341,21 @@ def train(
             if stop.requested(accelerator):  # before the first step: nothing new to save
                 log.event("signal", step=state.step, signal=stop.name)
                 exit_code = stop.exit_code
+            profiler = StepProfiler(
+                output_dir,
+                accelerator.process_index,
+                cfg.performance.profile_from,
+                cfg.performance.profile_steps,
+            )
+            if cfg.performance.profile_from > run.total_steps:
+                print(
+                    f"WARNING: performance.profile_from: {cfg.performance.profile_from} is past this run's last "
+                    f"step ({run.total_steps}); nothing is profiled",
+                    flush=True,
+                )
             while not exit_code and state.step < run.total_steps:
                 started = time.time()
+                profiler.before(state.step + 1)
                 rows, state.pos = next_step_rows(
                     run.train_rows, run.rows_per_step, cfg.training.seed, state.pos
                 )
@@ -365,6 +379,7 @@ def train(
                 state.final_loss = loss
                 run.notifier.heartbeat(state.step)
                 step_log.record(state, result, lr, grad_norm, skipped, time.time() - started)
+                profiler.after(state.step)
 
                 should_save = state.step % cfg.training.save_steps == 0 and state.step < run.total_steps
                 if should_save or eval_due(state.step, run.total_steps, cfg):
@@ -379,6 +394,7 @@ def train(
                     break
                 if state.step % 10 == 0:
                     log.update_run(step=state.step)
+            profiler.close(state.step)
             if not exit_code:
                 run.checkpointer.save("final", state)
     except Stopped:  # raised by the signal handler during set-up: no run is open, nothing new to save
