@@ -128,7 +128,12 @@ def cell_config(out: Path, model: Path, method: str, distributed: str, gpus: int
         "eval": {"interval": 10_000, "at_end": False},
         "memory": {"gradient_checkpointing": not args.smoke},
         "logging": {"progress_bar": False, "telemetry_interval": 2},
-        "performance": {"tf32": not fp32, "fast_path": fast_path},
+        "performance": {
+            "tf32": not fp32,
+            "fast_path": fast_path,
+            "profile_from": getattr(args, "profile_from", 0),
+            "profile_steps": 2,
+        },
     }
     path = out.parent / f"{out.name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -546,6 +551,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--measured", default=None, help="an earlier report.json whose memory rows the planner section reads"
+    )
+    parser.add_argument(
+        "--profile-from",
+        type=int,
+        default=0,
+        help="each cell profiles two steps from this one (performance.profile_from): <cell>/profile/ per rank",
     )
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--build-weights", nargs=2, metavar=("FOLDER", "DTYPE"), help=argparse.SUPPRESS)
