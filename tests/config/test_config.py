@@ -25,6 +25,8 @@ def test_defaults_and_shipped_configs_validate():
         ("optimization.learning_rate=-0.1", "optimization.learning_rate: expected > 0"),
         ("lora.r=0", "lora.r: expected a rank > 0, got 0"),
         ("eval.interval=0", "eval.interval: expected > 0, got 0"),
+        ("performance.profile_from=-1", "performance.profile_from: expected >= 0, got -1"),
+        ("performance.profile_steps=0", "performance.profile_steps: expected > 0, got 0"),
         ("training.method=qlora4", "training.method: expected one of 'qlora', 'lora', 'full'"),
         ("data.packing=maybe", "data.packing: expected true or false"),
         (

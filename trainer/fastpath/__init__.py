@@ -212,16 +212,11 @@ def _report(model, decision: Decision) -> FastPathReport:
     return FastPathReport(enabled=True, self_check=checks)
 
 
-def _use_fused_loss(model, allowed: bool = True) -> bool:
+def _use_fused_loss(model) -> bool:
     """Mark the model's loss for the fused linear cross-entropy where its logits are exactly a bias-free
     ``lm_head(hidden)``; returns whether it was."""
     head = model_head.output_head(model)
-    fused = (
-        allowed
-        and model_head.supports_chunked_loss(model)
-        and type(head) is torch.nn.Linear
-        and head.bias is None
-    )
+    fused = model_head.supports_chunked_loss(model) and type(head) is torch.nn.Linear and head.bias is None
     setattr(model_head.unwrap(model), ENABLED_ATTRIBUTE, fused)
     return fused
 
