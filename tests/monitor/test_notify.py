@@ -129,6 +129,22 @@ def test_hanging_server_costs_at_most_the_timeout(capsys):
     assert "no answer within 0.5 s" in capsys.readouterr().err
 
 
+def test_a_sender_that_times_out_first_reads_like_no_answer(capsys, monkeypatch):
+    # urlopen's own timeout and the join deadline are the same length: whichever fires first,
+    # the user reads one message.
+    notifier = Notifier(
+        NotifyConfig(webhook_url="http://127.0.0.1:9/hook", timeout_seconds=0.5), run_name="demo"
+    )
+
+    def times_out(payload):
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(notifier, "_post", times_out)
+    assert notifier.notify("failure", {"step": 1}) is False
+    err = capsys.readouterr().err
+    assert "no answer within 0.5 s" in err and "TimeoutError" not in err
+
+
 def test_email_channel_is_called_lazily_beside_the_webhook(receiver, tmp_path, monkeypatch):
     calls = []
     fake = types.ModuleType("trainer.monitor.notify_email")

@@ -102,6 +102,8 @@ class Notifier:
             def target(send=send, box=box):
                 try:
                     box["ok"] = bool(send())
+                except TimeoutError:  # the sender's own clock ran out: the same event as the join's
+                    box["timed_out"] = True
                 except Exception as exc:  # noqa: BLE001
                     box["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -112,7 +114,7 @@ class Notifier:
         delivered = True
         for name, thread, box in running:
             thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
+            if thread.is_alive() or box.get("timed_out"):
                 reason = f"no answer within {self.cfg.timeout_seconds:g} s"
             elif name == "email" and "error" not in box:
                 reason = None  # send_email_notification warns itself, and False may mean "filtered out"
@@ -140,6 +142,8 @@ class Notifier:
         except urllib.error.HTTPError as exc:
             raise RuntimeError(f"HTTP {exc.code} {exc.reason}") from None
         except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                raise exc.reason from None
             raise RuntimeError(str(exc.reason)) from None
         return True
 
