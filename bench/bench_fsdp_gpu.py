@@ -135,6 +135,8 @@ def cell_config(out: Path, model: Path, method: str, distributed: str, gpus: int
             "profile_steps": 2,
         },
     }
+    if distributed == "fsdp" and getattr(args, "forward_prefetch", None) is not None:
+        cfg["fsdp"] = {"forward_prefetch": args.forward_prefetch}
     path = out.parent / f"{out.name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg))
@@ -557,6 +559,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="each cell profiles two steps from this one (performance.profile_from): <cell>/profile/ per rank",
+    )
+    parser.add_argument(
+        "--forward-prefetch",
+        type=int,
+        default=None,
+        help="FSDP cells: fsdp.forward_prefetch (units gathered ahead in forward; 0 is torch's implicit "
+        "prefetch); default: the config's",
     )
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--build-weights", nargs=2, metavar=("FOLDER", "DTYPE"), help=argparse.SUPPRESS)

@@ -135,6 +135,12 @@ def test_cells_take_the_optimizer_and_bad_modes_are_refused(tmp_path, capsys):
     args = bench.argparse.Namespace(smoke=False, steps=4, length=64, optimizer="adamw_8bit")
     config = bench.cell_config(tmp_path / "cell", tmp_path, "full", "fsdp", 2, args)
     assert bench.yaml.safe_load(config.read_text())["optimization"]["optimizer"] == "adamw_8bit"
+    assert "fsdp" not in bench.yaml.safe_load(config.read_text())  # the config's own forward_prefetch
+    args.forward_prefetch = 0
+    config = bench.cell_config(tmp_path / "cell", tmp_path, "lora", "fsdp", 2, args)
+    assert bench.yaml.safe_load(config.read_text())["fsdp"] == {"forward_prefetch": 0}
+    config = bench.cell_config(tmp_path / "ddp", tmp_path, "lora", "ddp", 2, args)
+    assert "fsdp" not in bench.yaml.safe_load(config.read_text())
     with pytest.raises(SystemExit) as info:
         bench.main(["--out", str(tmp_path / "out"), "--gpus", "2", "--modes", "fsdp,zero3"])
     assert info.value.code == 2

@@ -197,6 +197,78 @@ def test_a_frozen_embedding_is_not_gathered_again_in_backward(tmp_path):
         dist.destroy_process_group()
 
 
+def test_forward_prefetch_issues_the_next_units_gather_before_this_one_runs(tmp_path, monkeypatch):
+    """fsdp.forward_prefetch: with 1, each unit's start issues the next one's all-gather (embedding, layers,
+    head in forward order), so it can run beside this unit's kernels; with 0 (torch's implicit prefetch) the
+    next gather waits for the host to reach the next unit. Losses are the same either way."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    events: list[str] = []
+    unshard = FSDPParamGroup.unshard
+
+    def logged_unshard(self, async_op=False):
+        if self._all_gather_result is None and not self.is_unsharded:
+            events.append(f"gather {self._module_fqn.split('.')[-1] or 'root'}")
+        return unshard(self, async_op)
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", logged_unshard)
+
+    def sharded(ahead: int, tied: bool = False):
+        torch.manual_seed(0)
+        base = tiny_causal_lm("llama")
+        if tied:
+            base.lm_head.weight = base.model.embed_tokens.weight
+        model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
+        layers = model.base_model.model.model.layers
+        for layer in layers:
+            fully_shard(layer)
+        if tied:
+            fully_shard(
+                [
+                    model.base_model.model.model.norm,
+                    model.get_input_embeddings(),
+                    model.get_output_embeddings(),
+                ]
+            )
+        else:
+            fully_shard(model.get_input_embeddings())
+            fully_shard(
+                [model.base_model.model.model.norm, model.get_output_embeddings()],
+                reshard_after_forward=False,
+            )
+        fully_shard(model)
+        for at, layer in enumerate(layers):
+            layer.register_forward_pre_hook(lambda *_, at=at: events.append(f"run {at}"))
+        return model, fsdp.forward_prefetch(model, ["LlamaDecoderLayer"], ahead)
+
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        losses = []
+        for ahead in (0, 1):
+            model, prefetching = sharded(ahead)
+            events.clear()
+            loss = model(input_ids=ids, labels=ids).loss
+            losses.append(float(loss.detach()))
+            loss.backward()
+            forward = events[: events.index("run 1") + 1]
+            if ahead:
+                assert prefetching == 3  # embedding -> layer 0 -> layer 1 -> head
+                assert forward.index("gather 1") < forward.index("run 0"), events
+                assert events.index("gather lm_head") < events.index("run 1"), events
+            else:
+                assert prefetching == 0
+                assert forward.index("gather 1") > forward.index("run 0"), events
+        assert losses[0] == losses[1]
+        _, prefetching = sharded(2, tied=True)  # one unit with the head: only the layers chain
+        assert prefetching == 1
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- sharded loading (QLoRA)
 
 
@@ -282,6 +354,9 @@ def test_planner_divides_the_sharded_state_not_the_activations_nor_the_head():
     # the head stays gathered whole from the loss on (accelerate's tail unit): not divided
     expected = activations + (state.sharded_mb - head_mb) / 4 + head_mb + 1.5 * state.layer_mb
     assert fsdp_per_gpu_mb(peak, state, 4) == pytest.approx(expected)
+    assert fsdp_per_gpu_mb(peak, state, 4, prefetch=0) == pytest.approx(expected)  # torch's own prefetch
+    # fsdp.forward_prefetch: 3 keeps up to three layers gathered beside the one running
+    assert fsdp_per_gpu_mb(peak, state, 4, prefetch=3) == pytest.approx(expected + 0.75 * 2 * state.layer_mb)
 
     # Full fine-tuning in bf16 under mixed precision: accelerate keeps FSDP's master weights in fp32, so the
     # trainable parameters, their gradients and Adam's moments count twice their bf16 bytes.

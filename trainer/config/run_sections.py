@@ -118,6 +118,11 @@ class FsdpConfig:
     reshard_after_forward: Bool = True
     """Free each layer's gathered weights after its forward (gathered again for backward): less memory, one
     more all-gather per layer. false keeps them until backward (ZeRO-2-like)."""
+    forward_prefetch: Int = limit(1, ge=0)
+    """How many FSDP units ahead of itself each one starts gathering in forward, as it begins (the embedding,
+    then the decoder layers, then the head). 0 is torch's implicit prefetch: the next unit's all-gather is
+    issued only when the host reaches it, which overlaps nothing while the GPU waits on the host. 1 holds no
+    more gathered than torch's default; each one more holds one more layer."""
     cpu_offload: Bool = False
     """Sharded parameters, gradients and optimizer state live in host memory; the optimizer steps on the CPU."""
     activation_checkpointing: Bool = False

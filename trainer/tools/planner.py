@@ -170,16 +170,22 @@ def sharded_state_mb(model, optimizer, master_fp32: bool = False) -> ShardedStat
     return ShardedState(state(master_fp32), largest, head_mb, state(False))
 
 
-def fsdp_per_gpu_mb(peak_mb: float, state: ShardedState, gpus: int) -> float:
+def fsdp_per_gpu_mb(peak_mb: float, state: ShardedState, gpus: int, prefetch: int = 1) -> float:
     """One device's measured peak, predicted for each of ``gpus`` under FSDP: the state the dry run held
     replaced by FSDP's (fp32 masters for full fine-tuning) divided by ``gpus``, activations as measured, plus
-    two gathered layers (the current one and the prefetched next). The output head is not divided:
+    the gathered layers: the current one and those prefetched (one at least: torch's own, fsdp.forward_prefetch
+    more). The output head is not divided:
     accelerate keeps it gathered from the loss (where the peak usually is) until backward starts (a
     128k-vocabulary head of an 8B model: 1 GiB in bf16)."""
     if gpus <= 1:
         return peak_mb
     spread = 1 - 1 / gpus
-    return peak_mb - state.held_mb + state.sharded_mb / gpus + (state.head_mb + 2 * state.layer_mb) * spread
+    return (
+        peak_mb
+        - state.held_mb
+        + state.sharded_mb / gpus
+        + (state.head_mb + (1 + max(1, prefetch)) * state.layer_mb) * spread
+    )
 
 
 def plan(
@@ -218,7 +224,7 @@ def plan(
         peak = candidate.peak_mb
         if candidate.status == "ok" and gpus:
             state = sharded_state_mb(accelerator.unwrap_model(model), optimizer, master_fp32)
-            candidate.per_gpu_mb = round(fsdp_per_gpu_mb(peak, state, gpus), 1)
+            candidate.per_gpu_mb = round(fsdp_per_gpu_mb(peak, state, gpus, cfg.fsdp.forward_prefetch), 1)
             candidate.fsdp_gpus = gpus
             peak = candidate.per_gpu_mb
         if candidate.status == "ok" and peak > limit:

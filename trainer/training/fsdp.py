@@ -137,6 +137,38 @@ def after_prepare(model: torch.nn.Module) -> bool:
     return True
 
 
+def forward_prefetch(model: torch.nn.Module, layer_classes: list[str], ahead: int) -> int:
+    """Each FSDP unit starts the all-gathers of the next ``ahead`` units as it begins its forward
+    (``set_modules_to_forward_prefetch``); returns how many units prefetch.
+
+    Without this FSDP2 issues a layer's all-gather when the host reaches that layer's forward. The kit's
+    multi-process steps run their layers eagerly, so the GPU often waits on the host: by the time the host
+    asks for the next layer the GPU has finished this one, and the gather runs alone. Issued one unit
+    earlier it runs beside this layer's kernels. The chain is the forward's order: an untied embedding, the
+    decoder layers as the model lists them, an untied head (its unit with the final norm). A tied embedding
+    and head are one unit that stays gathered from the forward's start, so it needs no prefetch."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if ahead <= 0:
+        return 0
+    wanted = set(layer_classes)
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, FSDPModule) and any(c.__name__ in wanted for c in type(m).__mro__[1:])
+    ]
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and getattr(head, "weight", None) is getattr(embedding, "weight", None)
+    chain = [embedding] if isinstance(embedding, FSDPModule) and not tied else []
+    chain += layers
+    if isinstance(head, FSDPModule) and not tied:
+        chain.append(head)
+    for at, unit in enumerate(chain[:-1]):
+        unit.set_modules_to_forward_prefetch(chain[at + 1 : at + 1 + ahead])
+    return max(0, len(chain) - 1)
+
+
 def optimizer_names(model: torch.nn.Module, optimizer) -> list[list[str]]:
     """Each parameter group's parameters by name, read before ``prepare``. accelerate maps an optimizer onto
     the sharded parameters by data address, and the meta stand-ins of sharded loading all have address 0."""

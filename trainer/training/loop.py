@@ -104,13 +104,13 @@ def setup_optimizer(model, cfg: Config, accelerator, total_steps: int, loaded_in
     optimizer = make_optimizer(model, cfg, accelerator.device.type == "cuda")
     scheduler = make_scheduler(optimizer, cfg, total_steps)
     names = fsdp.optimizer_names(model, optimizer) if loaded_in_shards else None
-    if fsdp.active(accelerator):
-        fsdp.prepare_wrapping(accelerator, model, cfg)
+    layer_classes = fsdp.prepare_wrapping(accelerator, model, cfg) if fsdp.active(accelerator) else []
     model, optimizer = accelerator.prepare(model, optimizer)
     if names is not None:
         fsdp.remap_optimizer(model, optimizer, names)
     if fsdp.active(accelerator):
         fsdp.after_prepare(model)
+        fsdp.forward_prefetch(model, layer_classes, cfg.fsdp.forward_prefetch)
     accelerator.register_for_checkpointing(scheduler)
     skip_model_state(accelerator)
     return model, optimizer, scheduler
