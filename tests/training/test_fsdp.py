@@ -210,15 +210,18 @@ def test_forward_prefetch_issues_the_next_units_gather_before_this_one_runs(tmp_
     unshard = FSDPParamGroup.unshard
 
     def logged_unshard(self, async_op=False):
-        if self._all_gather_result is None and not self.is_unsharded:
+        pending = self._all_gather_result is not None
+        unshard(self, async_op)
+        if not pending and self._all_gather_result is not None:  # this call issued an all-gather
             events.append(f"gather {self._module_fqn.split('.')[-1] or 'root'}")
-        return unshard(self, async_op)
 
     monkeypatch.setattr(FSDPParamGroup, "unshard", logged_unshard)
 
-    def sharded(ahead: int, tied: bool = False):
+    def sharded(ahead: int, tied: bool = False, checkpointed: bool = False):
         torch.manual_seed(0)
         base = tiny_causal_lm("llama")
+        if checkpointed:
+            base.gradient_checkpointing_enable({"use_reentrant": False})
         if tied:
             base.lm_head.weight = base.model.embed_tokens.weight
         model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False))
@@ -240,8 +243,10 @@ def test_forward_prefetch_issues_the_next_units_gather_before_this_one_runs(tmp_
                 reshard_after_forward=False,
             )
         fully_shard(model)
+        fsdp.after_prepare(model)
         for at, layer in enumerate(layers):
             layer.register_forward_pre_hook(lambda *_, at=at: events.append(f"run {at}"))
+            layer.self_attn.register_forward_pre_hook(lambda *_, at=at: events.append(f"attention {at}"))
         return model, fsdp.forward_prefetch(model, ["LlamaDecoderLayer"], ahead)
 
     ids = torch.tensor([[1, 5, 9, 3, 7]])
@@ -263,6 +268,23 @@ def test_forward_prefetch_issues_the_next_units_gather_before_this_one_runs(tmp_
                 assert prefetching == 0
                 assert forward.index("gather 1") > forward.index("run 0"), events
         assert losses[0] == losses[1]
+        # A micro-batch gathers each layer twice (forward, backward: checkpointing's recompute reuses the
+        # backward's gather), the embedding and the head once (a frozen embedding computes nothing in backward;
+        # the head stays gathered from the loss through backward).
+        model, _ = sharded(1, checkpointed=True)
+        model.train()
+        events.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+        gathers = [e for e in events if e.startswith("gather")]
+        assert sorted(gathers) == [
+            "gather 0",
+            "gather 0",
+            "gather 1",
+            "gather 1",
+            "gather embed_tokens",
+            "gather lm_head",
+        ]
+        assert events.count("attention 1") == 2, events  # the recompute ran
         _, prefetching = sharded(2, tied=True)  # one unit with the head: only the layers chain
         assert prefetching == 1
     finally:
