@@ -152,3 +152,15 @@ def test_the_planner_reads_measured_peaks_from_an_earlier_report(tmp_path):
     row = {"model": "dense", "method": "lora", "mode": "fsdp", "gpus": 2, "peak_gib": 5.87}
     (tmp_path / "earlier.json").write_text(json.dumps({"args": {}, "memory": [row]}))
     assert bench.earlier_memory_rows(tmp_path / "earlier.json") == [row]
+
+
+def test_all_gather_bandwidth_bench_runs_on_two_cpu_processes():
+    """bench/collectives_gpu.py (the link FSDP's gathers cross) on gloo: one row per size, positive figures."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "bench/collectives_gpu.py", "--cpu", "--sizes-mb", "1,2", "--iters", "2"]  # fmt: skip
+    env = {**trainer_env(), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [r["mb"] for r in rows] == [1.0, 2.0] and all(r["ms"] > 0 and r["world"] == 2 for r in rows)
+    assert "all-gather, 2 ranks, cpu (gloo)" in result.stdout
