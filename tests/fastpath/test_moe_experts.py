@@ -93,13 +93,39 @@ def test_grouped_experts_train_the_model_like_the_eager_loop():
         assert torch.allclose(grad, grouped_grads[name], atol=1e-5, rtol=1e-4), name
 
 
-def test_experts_stored_as_float_for_fsdp_stay_on_the_loop():
-    """FSDP's floating storage (quant_storage) is not packed: those experts keep transformers' loop."""
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+def test_experts_stored_as_float_for_fsdp_are_grouped_from_the_parameters_of_each_call(storage):
+    """FSDP's floating storage (quantization storage under FSDP) is sharded and gathered per call, so it is not
+    packed once: the grouped path concatenates the experts' parameters as they are at the call. Same outputs
+    and gradients as the eager loop; and when the parameters are swapped for other tensors of the same bytes
+    (as FSDP swaps in its gathered copies), the grouped path reads the new ones."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "configs" / "tiny-moe"))
-    quantize_fused_experts(model, "nf4", True, storage=torch.bfloat16)
-    assert patch_quantized_experts(model) == 0
-    assert all(m.config._experts_implementation != IMPLEMENTATION for m in experts_modules(model))
+    quantize_fused_experts(model, "nf4", True, storage=storage)
+    experts = experts_modules(model)[0]
+    hidden_size = experts.gate_up_proj.shape[2]
+    hidden = torch.randn(29, hidden_size)
+    index = torch.stack([torch.randperm(experts.num_experts)[:2] for _ in range(29)])
+    weights = torch.rand(29, 2)
+    eager = run_experts(experts, hidden, index, weights)
+
+    assert patch_quantized_experts(model) == len(experts_modules(model))
+    assert (
+        experts._kit_packed_gate_up.packed is None
+        and experts._kit_packed_gate_up.live is experts.gate_up_proj
+    )
+    grouped = run_experts(experts, hidden, index, weights)
+    for name_, a, b in zip(("output", "input grad", "routing-weight grad"), eager, grouped, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), f"{name_}: {(a - b).abs().max()}"
+
+    for module in (experts.gate_up_proj, experts.down_proj):  # FSDP's swap: new tensors, the same bytes
+        for name, param in list(module.named_parameters()):
+            module._parameters[name] = torch.nn.Parameter(param.detach().clone(), requires_grad=False)
+    swapped = experts.gate_up_proj.packed_1
+    again = run_experts(experts, hidden, index, weights)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, again, strict=True))
+    swapped.data.zero_()  # expert 1's bytes now read as other values: the output moves
+    assert not torch.allclose(run_experts(experts, hidden, index, weights)[0], again[0])
 
 
 def test_self_check_passes_grouped_experts_and_catches_a_wrong_layout():

@@ -656,6 +656,42 @@ def test_fast_path_nodes_under_fsdp_equal_one_process(tmp_path, method):
 
 
 @pytest.mark.slow
+def test_grouped_4bit_experts_under_fsdp_equal_one_process(tmp_path):
+    """QLoRA on the tiny MoE with the fast path's nodes (forced on a CPU): one process packs the experts' 4-bit
+    bytes once; two FSDP ranks shard them as floating parameters, and the grouped path concatenates them as
+    gathered at each call. Both group every experts module, and give the reference path's losses (fp32)."""
+    pytest.importorskip("bitsandbytes")
+    extra = {
+        "model": {"name_or_path": str(REPO / "configs" / "tiny-moe"), "dtype": "fp32"},
+        "training": {"method": "qlora", "max_steps": 3, "save_steps": 3},
+        "quantization": {"compute_dtype": "fp32"},
+        "eval": {"interval": 100},
+    }
+    reference_cfg, reference = llama_config(tmp_path, "reference", extra)
+    assert run_trainer("train", "--config", str(reference_cfg)).returncode == 0
+    one_cfg, one = llama_config(tmp_path, "one", extra)
+    fast_one = subprocess.run(
+        [sys.executable, "-m", "tests.fast_path_on_cpu", "train", "--config", str(one_cfg)],
+        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert fast_one.returncode == 0, fast_one.stderr[-3000:]
+    two_cfg, two = llama_config(tmp_path, "two", deep_merge(extra, {"training": {"distributed": "fsdp"}}))
+    command = two_process_command(two_cfg)
+    at = command.index("trainer")
+    command[at - 1 : at + 1] = ["-m", "tests.fast_path_on_cpu"]
+    sharded = subprocess.run(
+        command, cwd=REPO, env=two_process_env(), capture_output=True, text=True, timeout=900
+    )
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert "fsdp sharded" in sharded.stdout
+    grouped = [fast_path_report(run)["moe_experts_grouped"] for run in (one, two)]
+    assert grouped[0] > 0 and grouped[0] == grouped[1], grouped
+    assert fast_path_report(reference)["enabled"] is False
+    assert_same_losses(losses(two), losses(one))
+    assert_same_losses(losses(one), losses(reference))
+
+
+@pytest.mark.slow
 def test_qlora_moe_under_fsdp_equals_one_process(tmp_path):
     """QLoRA on the tiny MoE (fused experts quantized, stored as shardable parameters) over two ranks gives the
     losses of one process over the same rows (fp32 compute, so within 1e-5). Loaded as usual each rank holds the

@@ -226,15 +226,13 @@ def apply(
     decision: Decision,
     rms_norm: str = "torch",
     offload: bool = False,
-    sharded: bool = False,
     graphs_off: str | None = "not asked for",
 ) -> FastPathReport:
     """Put the fast path on ``model`` where ``decision`` allows; the report says what was done and carries the
     self-check's measured errors. ``offload``: checkpointed layers keep their inputs in pinned host memory
-    (trainer/fastpath/offload.py). ``sharded`` (FSDP2): the fused nodes read each layer's weights at the call,
-    as FSDP gathers them, and so does the fused loss (the head belongs to the root unit, gathered after the
-    forward); MoE experts keep bitsandbytes' modules (the grouped path packs whole expert weights once, which
-    sharding would copy onto every rank).
+    (trainer/fastpath/offload.py). Under FSDP2 the fused nodes read each layer's weights at the call, as FSDP
+    gathers them; so do the fused loss (accelerate keeps the head gathered from the forward's end) and the
+    grouped 4-bit MoE experts (``moe_experts.PackedExperts.live``).
     ``graphs_off``: why the offloaded layers are not replayed from CUDA graphs (``graphs_unavailable``); None:
     they are."""
     report = _report(model, decision)
@@ -247,8 +245,8 @@ def apply(
     report.mlp_blocks_fused = patch_swiglu_mlps(model)
     report.lora_modules_fused, report.lora_modules_reference = patch_lora_linears(model)
     report.qkv_groups_fused = patch_qkv_groups(model)
-    # The grouped experts pack every expert's 4-bit weights once, at patch time: a whole copy on each rank.
-    report.moe_experts_grouped = 0 if sharded else patch_quantized_experts(model)
+    # Under FSDP the experts' 4-bit bytes are floating parameters it shards: concatenated at each call.
+    report.moe_experts_grouped = patch_quantized_experts(model)
     if offload:
         graphs = LayerGraphs() if graphs_off is None else None
         report.offloaded_layers = offload_checkpointed_layers(model, graphs)

@@ -28,9 +28,13 @@ class PackedExperts:
     """All experts of one 3-D weight as one packed tensor with the block scales of all of them.
 
     With double quantization the 8-bit scales and their fp32 second-level scales are concatenated too, so
-    one ``dequantize_blockwise`` recovers every expert's scales (each expert's offset added afterwards)."""
+    one ``dequantize_blockwise`` recovers every expert's scales (each expert's offset added afterwards).
 
-    packed: torch.Tensor  # uint8, every expert's bytes in order
+    Experts stored as floating parameters (``quantization`` storage under FSDP) are not packed once: FSDP
+    shards each of them and gathers them for the layer's forward and backward, so ``live`` names the module
+    whose experts are concatenated at each call, as gathered then (one transient copy of the packed bytes)."""
+
+    packed: torch.Tensor | None  # uint8, every expert's bytes in order; None: read from ``live`` at each call
     absmax: torch.Tensor  # fp32 scales, or uint8 when ``nested``
     absmax2: torch.Tensor | None  # fp32 second-level scales (nested only)
     code2: torch.Tensor | None
@@ -40,6 +44,15 @@ class PackedExperts:
     quant_type: str
     shape: tuple  # (experts, out, in)
     dtype: torch.dtype
+    live: QuantizedExpertWeights | None = None
+
+    def bytes(self) -> torch.Tensor:
+        """Every expert's packed bytes, in order (uint8)."""
+        if self.live is None:
+            return self.packed
+        params = self.live._parameters
+        pieces = [params[f"packed_{i}"].reshape(-1) for i in range(self.shape[0])]
+        return torch.cat(pieces).view(torch.uint8)
 
     def scales(self) -> torch.Tensor:
         if self.absmax2 is None:
@@ -54,40 +67,47 @@ class PackedExperts:
     def dequantize(self) -> torch.Tensor:
         """Every expert's weight in 16-bit, (experts x out x in); on CUDA into the shared buffer."""
         ops = torch.ops.bitsandbytes
-        args = (self.packed, self.scales(), self.blocksize, self.quant_type, self.shape, self.dtype)
-        if self.packed.device.type != "cuda":
+        packed = self.bytes()
+        args = (packed, self.scales(), self.blocksize, self.quant_type, self.shape, self.dtype)
+        if packed.device.type != "cuda":
             # bitsandbytes' CPU kernel lays blocks out per row when a row is shorter than a block, so the
             # experts are dequantized one at a time there, from the same packed bytes and scales.
             experts = self.shape[0]
-            packed, scales = self.packed.view(experts, -1), args[1].view(experts, -1)
+            packed, scales = packed.view(experts, -1), args[1].view(experts, -1)
             return torch.stack([
                 ops.dequantize_4bit.default(packed[i], scales[i], *args[2:4], self.shape[1:], self.dtype)
                 for i in range(experts)
             ])  # fmt: skip
-        out = _dequant_buffer(self.shape, self.dtype, self.packed.device)
+        out = _dequant_buffer(self.shape, self.dtype, packed.device)
         ops.dequantize_4bit.out(*args, out=out)
         return out
 
 
 def pack_experts(weights: QuantizedExpertWeights) -> PackedExperts | None:
-    """One packed tensor for all experts of ``weights``; each expert's own bytes become views into it (no copy
-    kept). None where the experts are not plain byte buffers (FSDP's floating storage) or not uniform."""
+    """One packed tensor for all experts of ``weights``. Byte buffers are packed now, each expert's own bytes
+    becoming views into it (no copy kept); floating parameters (FSDP's storage) are concatenated at each call
+    (``PackedExperts.live``). None where the experts are not uniform."""
     states = weights.quant_states
     pieces = [getattr(weights, f"packed_{i}") for i in range(len(weights))]
     first = states[0]
     uniform = all(
-        p.dtype == torch.uint8
+        p.dtype == pieces[0].dtype
         and s.blocksize == first.blocksize
         and s.quant_type == first.quant_type
         and s.nested == first.nested
         for p, s in zip(pieces, states, strict=True)
     )
-    if not uniform or pieces[0].numel() * 2 % first.blocksize:  # blocks must not straddle two experts
+    values = weights.shape[1] * weights.shape[2]
+    if not uniform or values % first.blocksize:  # blocks must not straddle two experts
         return None
-    packed = torch.cat([p.reshape(-1) for p in pieces])
-    size = pieces[0].numel()
-    for index, piece in enumerate(pieces):
-        setattr(weights, f"packed_{index}", packed[index * size : (index + 1) * size].view(piece.shape))
+    live = pieces[0].dtype != torch.uint8
+    if live:
+        packed = None  # sharded by FSDP (sharded loading: still empty stand-ins here); read at each call
+    else:
+        packed = torch.cat([p.reshape(-1) for p in pieces])
+        size = pieces[0].numel()
+        for index, piece in enumerate(pieces):
+            setattr(weights, f"packed_{index}", packed[index * size : (index + 1) * size].view(piece.shape))
     nested = first.nested and all(
         s.absmax.numel() % s.state2.blocksize == 0 and s.state2.blocksize == first.state2.blocksize
         for s in states
@@ -105,8 +125,9 @@ def pack_experts(weights: QuantizedExpertWeights) -> PackedExperts | None:
         absmax2 = code2 = offsets = None
         blocksize2 = 0
     return PackedExperts(
-        packed, absmax, absmax2, code2, offsets.to(packed.device) if offsets is not None else None,
+        packed, absmax, absmax2, code2, offsets.to(absmax.device) if offsets is not None else None,
         first.blocksize, blocksize2, first.quant_type, tuple(weights.shape), first.dtype,
+        weights if live else None,
     )  # fmt: skip
 
 

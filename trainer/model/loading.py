@@ -506,7 +506,7 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
             cfg.performance.cuda_graphs, device, offload, _processes(), fast.enabled, checkpointing,
             cfg.data.packing,
         )  # fmt: skip
-        fast_report = fastpath.apply(model, fast, offload=offload, sharded=sharded, graphs_off=graphs_off)
+        fast_report = fastpath.apply(model, fast, offload=offload, graphs_off=graphs_off)
     else:
         checked = torch.device(device).type == "cuda" and bool(family.kernel_checks(hf_config, kernel_path))
         graphs_off = family_graphs_unavailable(cfg, family, device, checked)
