@@ -275,16 +275,15 @@ def test_forward_prefetch_issues_the_next_units_gather_before_this_one_runs(tmp_
         model.train()
         events.clear()
         model(input_ids=ids, labels=ids).loss.backward()
-        gathers = [e for e in events if e.startswith("gather")]
-        assert sorted(gathers) == [
-            "gather 0",
-            "gather 0",
-            "gather 1",
-            "gather 1",
-            "gather embed_tokens",
-            "gather lm_head",
-        ]
+        twice = ["gather 0", "gather 0", "gather 1", "gather 1", "gather embed_tokens", "gather lm_head"]
+        assert sorted(e for e in events if e.startswith("gather")) == twice
         assert events.count("attention 1") == 2, events  # the recompute ran
+        # The last layer kept gathered from its forward to its backward: one all-gather less.
+        assert fsdp.keep_last_layer_gathered(model, ["LlamaDecoderLayer"])
+        events.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+        once = ["gather 0", "gather 0", "gather 1", "gather embed_tokens", "gather lm_head"]
+        assert sorted(e for e in events if e.startswith("gather")) == once
         _, prefetching = sharded(2, tied=True)  # one unit with the head: only the layers chain
         assert prefetching == 1
     finally:

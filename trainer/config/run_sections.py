@@ -117,7 +117,8 @@ class FsdpConfig:
 
     reshard_after_forward: Bool = True
     """Free each layer's gathered weights after its forward (gathered again for backward): less memory, one
-    more all-gather per layer. false keeps them until backward (ZeRO-2-like)."""
+    more all-gather per layer. false keeps them until backward (ZeRO-2-like). The last decoder layer keeps
+    them either way: its backward follows right after the head."""
     forward_prefetch: Int = limit(1, ge=0)
     """How many FSDP units ahead of itself each one starts gathering in forward, as it begins (the embedding,
     then the decoder layers, then the head). 0 is torch's implicit prefetch: the next unit's all-gather is

@@ -137,6 +137,31 @@ def after_prepare(model: torch.nn.Module) -> bool:
     return True
 
 
+def decoder_units(model: torch.nn.Module, layer_classes: list[str]) -> list:
+    """The FSDP units of the decoder layers (``prepare_wrapping``'s classes), in the model's order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wanted = set(layer_classes)
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, FSDPModule) and any(c.__name__ in wanted for c in type(m).__mro__[1:])
+    ]
+
+
+def keep_last_layer_gathered(model: torch.nn.Module, layer_classes: list[str]) -> bool:
+    """The last decoder layer keeps its gathered weights from its forward to its backward.
+
+    Only the final norm, the head and the loss run between the two, so resharding it would gather it again at
+    once, with nothing to hide behind: the fused loss computed the head's gradients in forward. One
+    all-gather less per micro-batch, for one layer held through the loss (as torchtitan does)."""
+    layers = decoder_units(model, layer_classes)
+    if not layers:
+        return False
+    layers[-1].set_reshard_after_forward(False, recurse=False)
+    return True
+
+
 def forward_prefetch(model: torch.nn.Module, layer_classes: list[str], ahead: int) -> int:
     """Each FSDP unit starts the all-gathers of the next ``ahead`` units as it begins its forward
     (``set_modules_to_forward_prefetch``); returns how many units prefetch.
@@ -151,12 +176,7 @@ def forward_prefetch(model: torch.nn.Module, layer_classes: list[str], ahead: in
 
     if ahead <= 0:
         return 0
-    wanted = set(layer_classes)
-    layers = [
-        m
-        for m in model.modules()
-        if isinstance(m, FSDPModule) and any(c.__name__ in wanted for c in type(m).__mro__[1:])
-    ]
+    layers = decoder_units(model, layer_classes)
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
     tied = head is not None and getattr(head, "weight", None) is getattr(embedding, "weight", None)

@@ -111,6 +111,8 @@ def setup_optimizer(model, cfg: Config, accelerator, total_steps: int, loaded_in
     if fsdp.active(accelerator):
         fsdp.after_prepare(model)
         fsdp.forward_prefetch(model, layer_classes, cfg.fsdp.forward_prefetch)
+        if cfg.fsdp.reshard_after_forward:
+            fsdp.keep_last_layer_gathered(model, layer_classes)
     accelerator.register_for_checkpointing(scheduler)
     skip_model_state(accelerator)
     return model, optimizer, scheduler
