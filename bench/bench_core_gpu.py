@@ -316,11 +316,14 @@ def measure(
     repeat: int = 1,
     progress=None,
     settings: tuple[str, ...] = tuple(SETTINGS),
+    kit_overrides: dict | None = None,
 ) -> list[dict]:
     """Each setting of one shape. The kit and Unsloth run ``repeat`` times, alternating (every kit setting,
     then one Unsloth invocation, which covers all three settings), so host-speed drift hits both alike;
     ref, hf and liger run once, in the first repeat. ``progress(cells)`` gets the cells so far after each
-    setting and repeat (main saves them: a call cut off by its time limit keeps the rows it finished)."""
+    setting and repeat (main saves them: a call cut off by its time limit keeps the rows it finished).
+    ``kit_overrides`` (``section.key``: value) go into every kit run's config (ours, nographs)."""
+    kit = dict(kit_overrides or {})
     name, config = SHAPES[shape]
     model = model_dir(root / "models", name, config, weights=True)
     cells = {setting: {"shape": shape, "setting": setting} for setting in settings}
@@ -332,7 +335,7 @@ def measure(
         for setting in settings:
             (method, gc), cell = SETTINGS[setting], cells[setting]
             if "ours" in impls:
-                run = run_ours(root, f"{shape} {setting}{tag}", model, method, steps, gc, ALL_LINEAR)
+                run = run_ours(root, f"{shape} {setting}{tag}", model, method, steps, gc, ALL_LINEAR, **kit)
                 ours[setting].append(run)
             if "nographs" in impls:  # the kit with its layers eager: what the CUDA graphs buy, same call
                 nographs[setting].append(
@@ -344,7 +347,7 @@ def measure(
                         steps,
                         gc,
                         ALL_LINEAR,
-                        **{"performance.cuda_graphs": "off"},
+                        **{**kit, "performance.cuda_graphs": "off"},
                     )  # fmt: skip
                 )
             if i > 0:
@@ -657,6 +660,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--loss-setting", default="lora+gc", choices=tuple(SETTINGS), help="the setting --loss-steps trains"
     )
+    parser.add_argument(
+        "--profile-from",
+        type=int,
+        default=0,
+        help="kit runs profile two steps from this one (performance.profile_from): <run>/profile/",
+    )
     parser.add_argument("--resume-check", action="store_true")
     parser.add_argument(
         "--optimizer-check",
@@ -679,8 +688,9 @@ def main() -> None:
             results["rows"].append(measure_glm(root, impls, args.steps))
         else:  # after each repeat, the rows so far: results["rows"] grows only when measure returns
             progress = lambda cells: save_results(root, {**results, "rows": results["rows"] + cells})  # noqa: E731
+            kit = {"performance.profile_from": args.profile_from} if args.profile_from else {}
             results["rows"] += measure(
-                root, shape, impls, args.steps, args.anchors, args.repeat, progress, tuple(args.settings)
+                root, shape, impls, args.steps, args.anchors, args.repeat, progress, tuple(args.settings), kit
             )
         save_results(root, results)
     if results["rows"]:

@@ -74,6 +74,12 @@ def test_the_kit_without_graphs_alternates_with_the_kit_and_its_ratio_is_printed
         "llama lora+gc", "llama lora+gc nographs", "llama lora+gc r2", "llama lora+gc nographs r2"
     ]  # fmt: skip
     assert overrides == [{}, {"performance.cuda_graphs": "off"}] * 2
+    overrides.clear()  # --profile-from: every kit run profiles
+    bench.measure(
+        tmp_path, "llama", {"ours", "nographs"}, 12, None, settings=("lora",), kit_overrides={"a.b": 6}
+    )
+    assert overrides == [{"a.b": 6}, {"a.b": 6, "performance.cuda_graphs": "off"}]
+    assert bench.parse_args(["--profile-from", "6"]).profile_from == 6
     assert cells[0]["nographs"]["tokens_per_sec_runs"] == [102.0, 104.0]
     line = bench.table_lines(cells)[1]
     assert line.split()[-1] == f"{102.0 / 103.0:.2f}x"  # median 102 (101, 103) over median 103 (102, 104)
