@@ -153,8 +153,8 @@ def keep_last_layer_gathered(model: torch.nn.Module, layer_classes: list[str]) -
     """The last decoder layer keeps its gathered weights from its forward to its backward.
 
     Only the final norm, the head and the loss run between the two, so resharding it would gather it again at
-    once, with nothing to hide behind: the fused loss computed the head's gradients in forward. One
-    all-gather less per micro-batch, for one layer held through the loss (as torchtitan does)."""
+    once, with little to hide behind (nothing under the fused loss, which computes the head's gradients in
+    forward). One all-gather less per micro-batch, for one layer held through the loss (as torchtitan does)."""
     layers = decoder_units(model, layer_classes)
     if not layers:
         return False
@@ -166,9 +166,9 @@ def forward_prefetch(model: torch.nn.Module, layer_classes: list[str], ahead: in
     """Each FSDP unit starts the all-gathers of the next ``ahead`` units as it begins its forward
     (``set_modules_to_forward_prefetch``); returns how many units prefetch.
 
-    Without this FSDP2 issues a layer's all-gather when the host reaches that layer's forward. The kit's
-    multi-process steps run their layers eagerly, so the GPU often waits on the host: by the time the host
-    asks for the next layer the GPU has finished this one, and the gather runs alone. Issued one unit
+    Without this FSDP2 issues a layer's all-gather when the host reaches that layer's forward. Whenever the
+    GPU waits on the host (multi-process steps run their layers eagerly, with no CUDA graphs; small
+    micro-batches), the GPU has finished this layer by then, and the gather runs alone. Issued one unit
     earlier it runs beside this layer's kernels. The chain is the forward's order: an untied embedding, the
     decoder layers as the model lists them, an untied head (its unit with the final norm). A tied embedding
     and head are one unit that stays gathered from the forward's start, so it needs no prefetch."""
