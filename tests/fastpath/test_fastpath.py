@@ -562,7 +562,7 @@ def test_offloading_follows_the_memory_setting(write_config, monkeypatch):
             )
         )
         loading.load_for_training(cfg, torch.device("cpu"))
-        assert {k: seen[-1][k] for k in ("offload", "sharded")} == {"offload": expected, "sharded": False}
+        assert seen[-1]["offload"] == expected, memory
         assert seen[-1]["graphs_off"] == "not a CUDA device", memory
 
 
