@@ -606,6 +606,29 @@ def fast_path_report(run) -> dict:
     ]
 
 
+def fast_path_runs(tmp_path, extra: dict) -> tuple:
+    """The same config three ways: the reference path in one process, the fast path's nodes (forced on a
+    CPU) in one process, and those nodes under FSDP on two ranks; their run folders."""
+    reference_cfg, reference = llama_config(tmp_path, "reference", extra)
+    assert run_trainer("train", "--config", str(reference_cfg)).returncode == 0
+    one_cfg, one = llama_config(tmp_path, "one", extra)
+    fast_one = subprocess.run(
+        [sys.executable, "-m", "tests.fast_path_on_cpu", "train", "--config", str(one_cfg)],
+        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert fast_one.returncode == 0, fast_one.stderr[-3000:]
+    two_cfg, two = llama_config(tmp_path, "two", deep_merge(extra, {"training": {"distributed": "fsdp"}}))
+    command = two_process_command(two_cfg)
+    at = command.index("trainer")
+    command[at - 1 : at + 1] = ["-m", "tests.fast_path_on_cpu"]
+    sharded = subprocess.run(
+        command, cwd=REPO, env=two_process_env(), capture_output=True, text=True, timeout=900
+    )
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert "fsdp sharded" in sharded.stdout
+    return reference, one, two
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["lora", "qlora", "full"])
 def test_fast_path_nodes_under_fsdp_equal_one_process(tmp_path, method):
@@ -626,23 +649,7 @@ def test_fast_path_nodes_under_fsdp_equal_one_process(tmp_path, method):
         "quantization": {"compute_dtype": "fp32"},
         "eval": {"interval": 100},
     }
-    reference_cfg, reference = llama_config(tmp_path, "reference", extra)
-    assert run_trainer("train", "--config", str(reference_cfg)).returncode == 0
-    one_cfg, one = llama_config(tmp_path, "one", extra)
-    fast_one = subprocess.run(
-        [sys.executable, "-m", "tests.fast_path_on_cpu", "train", "--config", str(one_cfg)],
-        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert fast_one.returncode == 0, fast_one.stderr[-3000:]
-    two_cfg, two = llama_config(tmp_path, "two", deep_merge(extra, {"training": {"distributed": "fsdp"}}))
-    command = two_process_command(two_cfg)
-    at = command.index("trainer")
-    command[at - 1 : at + 1] = ["-m", "tests.fast_path_on_cpu"]
-    sharded = subprocess.run(
-        command, cwd=REPO, env=two_process_env(), capture_output=True, text=True, timeout=900
-    )
-    assert sharded.returncode == 0, sharded.stderr[-3000:]
-    assert "fsdp sharded" in sharded.stdout
+    reference, one, two = fast_path_runs(tmp_path, extra)
     for run in (one, two):
         report = fast_path_report(run)
         assert report["enabled"] and report["fused_loss"] is True, report
@@ -666,23 +673,7 @@ def test_grouped_4bit_experts_under_fsdp_equal_one_process(tmp_path):
         "quantization": {"compute_dtype": "fp32"},
         "eval": {"interval": 100},
     }
-    reference_cfg, reference = llama_config(tmp_path, "reference", extra)
-    assert run_trainer("train", "--config", str(reference_cfg)).returncode == 0
-    one_cfg, one = llama_config(tmp_path, "one", extra)
-    fast_one = subprocess.run(
-        [sys.executable, "-m", "tests.fast_path_on_cpu", "train", "--config", str(one_cfg)],
-        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert fast_one.returncode == 0, fast_one.stderr[-3000:]
-    two_cfg, two = llama_config(tmp_path, "two", deep_merge(extra, {"training": {"distributed": "fsdp"}}))
-    command = two_process_command(two_cfg)
-    at = command.index("trainer")
-    command[at - 1 : at + 1] = ["-m", "tests.fast_path_on_cpu"]
-    sharded = subprocess.run(
-        command, cwd=REPO, env=two_process_env(), capture_output=True, text=True, timeout=900
-    )
-    assert sharded.returncode == 0, sharded.stderr[-3000:]
-    assert "fsdp sharded" in sharded.stdout
+    reference, one, two = fast_path_runs(tmp_path, extra)
     grouped = [fast_path_report(run)["moe_experts_grouped"] for run in (one, two)]
     assert grouped[0] > 0 and grouped[0] == grouped[1], grouped
     assert fast_path_report(reference)["enabled"] is False
