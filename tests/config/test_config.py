@@ -27,6 +27,8 @@ def test_defaults_and_shipped_configs_validate():
         ("eval.interval=0", "eval.interval: expected > 0, got 0"),
         ("performance.profile_from=-1", "performance.profile_from: expected >= 0, got -1"),
         ("performance.profile_steps=0", "performance.profile_steps: expected > 0, got 0"),
+        ("fsdp.forward_prefetch=-1", "fsdp.forward_prefetch: expected >= 0, got -1"),
+        ("fsdp.forward_prefetch=two", "fsdp.forward_prefetch: expected an integer, got 'two'"),
         ("training.method=qlora4", "training.method: expected one of 'qlora', 'lora', 'full'"),
         ("data.packing=maybe", "data.packing: expected true or false"),
         (
