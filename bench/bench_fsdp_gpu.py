@@ -133,6 +133,8 @@ def cell_config(out: Path, model: Path, method: str, distributed: str, gpus: int
             "fast_path": fast_path,
             "profile_from": getattr(args, "profile_from", 0),
             "profile_steps": 2,
+            # FSDP never replays graphs (its gathers run in hooks): on would stop those cells
+            "cuda_graphs": (getattr(args, "cuda_graphs", None) or "auto") if distributed == "ddp" else "auto",
         },
     }
     if distributed == "fsdp" and getattr(args, "forward_prefetch", None) is not None:
@@ -566,6 +568,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="FSDP cells: fsdp.forward_prefetch (units gathered ahead in forward; 0 is torch's implicit "
         "prefetch); default: the config's",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="performance.cuda_graphs of the DDP cells; on: DDP + fast LoRA/QLoRA replay their layers too",
     )
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--build-weights", nargs=2, metavar=("FOLDER", "DTYPE"), help=argparse.SUPPRESS)

@@ -57,8 +57,10 @@ if os.environ.get("KIT_TEST_CPU_GRAPHS") == "1":
     from tests.fastpath.test_layer_graphs import ReplayOnCpu
     from trainer.fastpath import layer_graphs, stack_graphs
 
-    fastpath.graphs_unavailable = lambda mode, *args: (
-        "performance.cuda_graphs: off" if mode == "off" else None
+    decide_graphs = fastpath.graphs_unavailable
+    # The real decision (processes, checkpointing, packing), as if on a GPU.
+    fastpath.graphs_unavailable = lambda mode, device, *args, **kwargs: decide_graphs(
+        mode, torch.device("cuda"), *args, **kwargs
     )
     layer_graphs.CudaGraphs = stack_graphs.CudaGraphs = ReplayOnCpu
 

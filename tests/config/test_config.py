@@ -342,3 +342,18 @@ def test_a_config_that_sets_one_key_is_fine(tmp_path):
     path = tmp_path / "one.yaml"
     path.write_text("training:\n  max_steps: 3\n")
     assert load_config(path).training.max_steps == 3
+
+
+def test_which_runs_average_their_gradients_once_after_the_step():
+    """Config.grads_synced_after_step: the loop's coordinated gradients and the graphs' permission to run under
+    several processes read this one answer."""
+    from trainer.config.load import build_config
+
+    def synced(processes: int, **sections) -> bool:
+        return build_config(sections).grads_synced_after_step(processes)
+
+    assert synced(2, training={"method": "lora"}) and synced(4, training={"method": "qlora"})
+    assert not synced(1, training={"method": "lora"})
+    assert not synced(2, training={"method": "full"})  # DDP's all-reduce keeps overlapping backward
+    assert not synced(2, training={"method": "lora", "distributed": "fsdp"})
+    assert not synced(2, training={"method": "lora"}, memory={"oom_fallback": False})

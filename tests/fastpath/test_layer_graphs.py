@@ -250,6 +250,45 @@ def test_a_run_with_graphed_layers_logs_the_losses_of_an_eager_run(tmp_path, che
     assert_same_losses(losses(runs["graphed"]), losses(runs["eager"]))
 
 
+@pytest.mark.slow
+def test_two_ddp_ranks_replaying_graphs_average_the_gradients_the_graphs_add(tmp_path):
+    """A graph adds its gradients straight into ``.grad``, unseen by DDP's hooks. With ``cuda_graphs: on``, two
+    LoRA ranks whose gradients are averaged once after each step (``memory.oom_fallback``, the default) replay
+    their checkpointed layers from graphs (the CPU stand-in) and train the losses of one eager process over the
+    same rows: a rank that stepped on its own gradients alone would drift from them after the first step."""
+    import subprocess
+
+    from tests.helpers import REPO, run_trainer
+    from tests.training.test_fsdp import (
+        assert_same_losses,
+        fast_path_report,
+        llama_config,
+        losses,
+        two_process_command,
+        two_process_env,
+    )
+
+    extra = {
+        "training": {"method": "lora", "max_steps": 4, "save_steps": 4},
+        "lora": {"target_modules": ALL_LINEAR},
+        "memory": {"gradient_checkpointing": True},
+        "model": {"dtype": "fp32"},
+        "eval": {"interval": 100},
+    }
+    one_cfg, one = llama_config(tmp_path, "one", {**extra, "performance": {"cuda_graphs": "off"}})
+    assert run_trainer("train", "--config", str(one_cfg)).returncode == 0
+    two_cfg, two = llama_config(tmp_path, "two", {**extra, "performance": {"cuda_graphs": "on"}})
+    command = two_process_command(two_cfg)
+    at = command.index("trainer")
+    command[at - 1 : at + 1] = ["-m", "tests.fast_path_on_cpu"]
+    env = {**two_process_env(), "KIT_TEST_CPU_GRAPHS": "1"}
+    ranks = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    assert "replay from graphs now" in ranks.stdout
+    assert fast_path_report(two)["cuda_graphs"] == "layers"
+    assert_same_losses(losses(two), losses(one))
+
+
 def test_both_forms_of_transformers_checkpointed_call_are_recognised(capsys):
     """transformers has wrapped the layer's forward (``partial(forward, layer, **kw)``) and its ``__call__``
     (``partial(super().__call__, **kw)``, a bound method); anything else turns the graphs off, saying so."""
@@ -313,7 +352,12 @@ def test_where_the_graphs_apply_and_what_on_insists_on():
     assert graphs_unavailable("auto", cuda, False, 1) is None  # no checkpointing: the whole layer stack
     assert "data.packing: false" in graphs_unavailable("auto", cuda, False, 1, packing=False)
     assert graphs_unavailable("auto", cuda, True, 1, checkpointing=True, packing=False) is None  # one layer's
-    assert "2 processes" in graphs_unavailable("auto", cuda, True, 2)
+    assert "DDP's gradient hooks" in graphs_unavailable("auto", cuda, True, 2)
+    # gradients averaged once after the step: several processes replay graphs, but only when asked to
+    assert "performance.cuda_graphs: on" in graphs_unavailable(
+        "auto", cuda, True, 2, grads_synced_after_step=True
+    )
+    assert graphs_unavailable("on", cuda, True, 2, checkpointing=True, grads_synced_after_step=True) is None
     with pytest.raises(FastPathUnavailable, match="cuda_graphs: on, but 2 processes"):
         graphs_unavailable("on", cuda, True, 2)
 

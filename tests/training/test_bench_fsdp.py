@@ -141,6 +141,12 @@ def test_cells_take_the_optimizer_and_bad_modes_are_refused(tmp_path, capsys):
     assert bench.yaml.safe_load(config.read_text())["fsdp"] == {"forward_prefetch": 0}
     config = bench.cell_config(tmp_path / "ddp", tmp_path, "lora", "ddp", 2, args)
     assert "fsdp" not in bench.yaml.safe_load(config.read_text())
+    assert bench.yaml.safe_load(config.read_text())["performance"]["cuda_graphs"] == "auto"
+    args.cuda_graphs = "on"  # --cuda-graphs on: DDP cells replay their layers
+    config = bench.cell_config(tmp_path / "ddp", tmp_path, "lora", "ddp", 2, args)
+    assert bench.yaml.safe_load(config.read_text())["performance"]["cuda_graphs"] == "on"
+    config = bench.cell_config(tmp_path / "cell", tmp_path, "lora", "fsdp", 2, args)
+    assert bench.yaml.safe_load(config.read_text())["performance"]["cuda_graphs"] == "auto"
     with pytest.raises(SystemExit) as info:
         bench.main(["--out", str(tmp_path / "out"), "--gpus", "2", "--modes", "fsdp,zero3"])
     assert info.value.code == 2

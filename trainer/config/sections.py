@@ -375,6 +375,18 @@ class Config:
             )
         return self
 
+    def grads_synced_after_step(self, processes: int) -> bool:
+        """Whether several processes keep their gradients local through each step and average them once after
+        it (trainer/training/oom_retry.py ``agree_and_sync``), rather than through DDP's gradient hooks during
+        backward: LoRA-style methods with memory.oom_fallback on, under DDP. Full fine-tuning keeps DDP's
+        all-reduce overlapping backward; FSDP reduce-scatters into shards during backward."""
+        return (
+            processes > 1
+            and self.memory.oom_fallback
+            and self.training.method != "full"
+            and self.training.distributed != "fsdp"
+        )
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

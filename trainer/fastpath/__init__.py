@@ -121,6 +121,7 @@ def graphs_unavailable(
     fast: bool = True,
     checkpointing: bool = False,
     packing: bool = True,
+    grads_synced_after_step: bool = False,
 ) -> str | None:
     """Why the decoder layers are not replayed from CUDA graphs (None: they are: the checkpointed ones with
     offloaded inputs through ``layer_graphs``, or without checkpointing all of them through ``stack_graphs``).
@@ -129,7 +130,12 @@ def graphs_unavailable(
     The whole stack's graphs hold every layer's activations in their pool for as long as the run lasts; a batch
     of another shape runs eagerly beside them, its activations on top. Packed batches all have one width (a
     short row's padding is unmasked so its batch replays: ``step.step_inputs``); unpacked batches take the
-    width of their longest row, so without packing the stack is not graphed."""
+    width of their longest row, so without packing the stack is not graphed.
+
+    Several processes: a graph adds its gradients straight into ``.grad``, where DDP's gradient hooks never see
+    them. Only a run whose gradients are averaged once after the step (``grads_synced_after_step``,
+    ``Config.grads_synced_after_step``) can replay graphs under DDP, and only with ``on``: ``auto`` keeps
+    several processes eager."""
     if mode == "off":
         return "performance.cuda_graphs: off"
     reason = None
@@ -140,8 +146,13 @@ def graphs_unavailable(
     elif checkpointing and not offload:
         reason = "checkpointed layers are graphed only with offloaded inputs (memory.offload_checkpoints; "
         reason += "LoRA or QLoRA, not under FSDP)"
-    elif processes > 1:
-        reason = f"{processes} processes: DDP's gradient hooks would not see the gradients a graph adds"
+    elif processes > 1 and not grads_synced_after_step:
+        reason = f"{processes} processes: DDP's gradient hooks would not see the gradients a graph adds "
+        reason += "(they are averaged after the step only with memory.oom_fallback on, LoRA-style, under DDP)"
+    elif processes > 1 and mode != "on":
+        reason = (
+            f"{processes} processes: several processes replay graphs only with performance.cuda_graphs: on"
+        )
     elif not checkpointing and not packing:
         reason = "without packing (data.packing: false) rows change width from batch to batch, and a graphed "
         reason += "stack would hold one width's activations beside every other width's"

@@ -16,8 +16,9 @@ How (``LayerGraphs``, called by ``offload._OffloadedCheckpoint``):
   each optimizer step, which a graph recorded earlier would never see.
 
 What stays eager, as before: a layer with hooks or dropout (the recompute would draw other masks), a shape
-other than the first one captured, and everything once a capture fails (the reason is kept in ``off``). One
-process only (decided where the fast path is applied): DDP's gradient hooks would not see these gradients.
+other than the first one captured, and everything once a capture fails (the reason is kept in ``off``). Several
+processes only where their gradients are averaged once after the step, and with ``performance.cuda_graphs: on``
+(decided where the fast path is applied, ``graphs_unavailable``): DDP's gradient hooks would not see these.
 """
 
 from __future__ import annotations

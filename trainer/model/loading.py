@@ -406,9 +406,11 @@ def family_graphs_unavailable(cfg: Config, family: Family, device, checked: bool
             )
         return f"the {family.name} family's layers are not graphed"
     checkpointing = cfg.memory.gradient_checkpointing
+    processes = _processes()
     return fastpath.graphs_unavailable(
-        cfg.performance.cuda_graphs, device, False, _processes(), checked, checkpointing, cfg.data.packing
-    )
+        cfg.performance.cuda_graphs, device, False, processes, checked, checkpointing, cfg.data.packing,
+        cfg.grads_synced_after_step(processes),
+    )  # fmt: skip
 
 
 def keeps_16bit_under_qlora(family: Family, hf_config, kernel_path: str, device, fast) -> bool:
@@ -502,9 +504,10 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
     offload = checkpointing and cfg.memory.offload_checkpoints
     if family.name == "causal":
         offload = offload and cfg.training.method in ("lora", "qlora") and not sharded
+        processes = _processes()
         graphs_off = fastpath.graphs_unavailable(
-            cfg.performance.cuda_graphs, device, offload, _processes(), fast.enabled, checkpointing,
-            cfg.data.packing,
+            cfg.performance.cuda_graphs, device, offload, processes, fast.enabled, checkpointing,
+            cfg.data.packing, cfg.grads_synced_after_step(processes),
         )  # fmt: skip
         fast_report = fastpath.apply(model, fast, offload=offload, graphs_off=graphs_off)
     else:

@@ -174,12 +174,9 @@ def set_up(cfg, accelerator, output_dir, log, resume_from, state: LoopState, con
     # Several processes: gradients synced after the ranks agree no rank ran out of memory. Not for full
     # fine-tuning, whose gradients are the model's size: there DDP's all-reduce overlapping backward is kept.
     # Nor under FSDP, whose gradients are reduce-scattered into shards during backward.
-    coordinated_oom = (
-        world > 1
-        and cfg.memory.oom_fallback
-        and cfg.training.method != "full"
-        and not fsdp.active(accelerator)
-    )
+    # The same decision lets several processes replay CUDA graphs (fastpath.graphs_unavailable), whose gradients
+    # DDP's hooks would not see: the two must agree, hence one method.
+    coordinated_oom = cfg.grads_synced_after_step(world) and not fsdp.active(accelerator)
     step = Step(model, accelerator, loss, counter, aux_coef, data.train, pad_id, coordinated_oom)
     graphs = fastpath.layer_graphs_of(accelerator.unwrap_model(model))
     if graphs is not None and is_main:  # the run folder says when the layers start replaying, or stop
