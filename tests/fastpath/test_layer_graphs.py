@@ -200,6 +200,17 @@ def test_graphs_record_the_lora_casts_not_the_cached_copies(write_config, monkey
     assert first is not second and getattr(weight, "_kit_cast", None) is None
 
 
+def lora_run(checkpointing: bool, save_steps: int) -> dict:
+    """Four fp32 LoRA steps on every linear layer of the tiny Llama: the graphed runs' config."""
+    return {
+        "training": {"method": "lora", "max_steps": 4, "save_steps": save_steps},
+        "lora": {"target_modules": ALL_LINEAR},
+        "memory": {"gradient_checkpointing": checkpointing},
+        "model": {"dtype": "fp32"},
+        "eval": {"interval": 100},
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_a_run_with_graphed_layers_logs_the_losses_of_an_eager_run(tmp_path, checkpointing):
@@ -213,13 +224,7 @@ def test_a_run_with_graphed_layers_logs_the_losses_of_an_eager_run(tmp_path, che
     from tests.helpers import REPO, trainer_env
     from tests.training.test_fsdp import assert_same_losses, fast_path_report, llama_config, losses
 
-    extra = {
-        "training": {"method": "lora", "max_steps": 4, "save_steps": 2},
-        "lora": {"target_modules": ALL_LINEAR},
-        "memory": {"gradient_checkpointing": checkpointing},
-        "model": {"dtype": "fp32"},
-        "eval": {"interval": 100},
-    }
+    extra = lora_run(checkpointing, save_steps=2)
     runs, printed = {}, {}
     for name, graphs in (("graphed", "auto"), ("eager", "off")):
         cfg, runs[name] = llama_config(tmp_path, name, {**extra, "performance": {"cuda_graphs": graphs}})
@@ -268,13 +273,7 @@ def test_two_ddp_ranks_replaying_graphs_average_the_gradients_the_graphs_add(tmp
         two_process_env,
     )
 
-    extra = {
-        "training": {"method": "lora", "max_steps": 4, "save_steps": 4},
-        "lora": {"target_modules": ALL_LINEAR},
-        "memory": {"gradient_checkpointing": True},
-        "model": {"dtype": "fp32"},
-        "eval": {"interval": 100},
-    }
+    extra = lora_run(checkpointing=True, save_steps=4)
     one_cfg, one = llama_config(tmp_path, "one", {**extra, "performance": {"cuda_graphs": "off"}})
     assert run_trainer("train", "--config", str(one_cfg)).returncode == 0
     two_cfg, two = llama_config(tmp_path, "two", {**extra, "performance": {"cuda_graphs": "on"}})

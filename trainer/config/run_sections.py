@@ -153,8 +153,8 @@ class PerformanceConfig:
     LMs on the fast path, GLA on its checked Triton kernels; with data.packing, since unpacked batches change
     width). Several processes only with on, under DDP with LoRA-style methods and memory.oom_fallback (their
     gradients averaged once after the step: DDP's hooks would not see a graph's); layers with dropout or hooks,
-    other shapes and calls the family marks (GLA's packed rows) run eagerly; after a graphed stack's capture, a training batch of another shape or mask runs
-    eagerly under activation checkpointing. auto takes it where it applies, on insists (exit 2 where it cannot
+    other shapes and calls the family marks (GLA's packed rows) run eagerly; after a graphed stack's capture, a
+    training batch of another shape or mask runs eagerly under activation checkpointing. auto takes it where it applies, on insists (exit 2 where it cannot
     apply), off never."""
     data_workers: Int = limit(0, ge=0)
     """Processes that tokenize and pack the data into its cache (once per data, tokenizer and settings);
