@@ -213,14 +213,21 @@ def figures(run: Path, gpus: int) -> dict:
 
 
 def fast_path_ran(run: Path) -> str:
-    """What the run's model report says of the fast path: off (and why), or the fused LoRA nodes it ran."""
-    report = next(
-        (e for e in iter_records(run / "logs" / "events.jsonl") if e.get("event") == "model_report"), {}
-    )
+    """What the run's events say of the fast path: off (and why), or the fused LoRA nodes it ran, and whether its
+    layers replayed from CUDA graphs (the last ``cuda_graphs`` event, else the model report's decision)."""
+    events = list(iter_records(run / "logs" / "events.jsonl"))
+    report = next((e for e in events if e.get("event") == "model_report"), {})
     fast = report.get("fast_path") or {}
     if not fast.get("enabled"):
         return f"off: {fast.get('reason', '?')}"
-    return f"on: {fast.get('lora_modules_fused', 0)} LoRA nodes, fused loss {fast.get('fused_loss')}"
+    graphs = [e for e in events if e.get("event") == "cuda_graphs"]
+    if graphs:
+        replay = f"graphs {graphs[-1].get('state')}: {graphs[-1].get('detail')}"
+    else:
+        replay = f"graphs {fast.get('cuda_graphs', '?')}"
+    return (
+        f"on: {fast.get('lora_modules_fused', 0)} LoRA nodes, fused loss {fast.get('fused_loss')}, {replay}"
+    )
 
 
 def bytes_per_param(method: str, mode: str) -> float:
@@ -284,7 +291,7 @@ def memory_cells(args, models: dict) -> list[tuple[str, str, str, int]]:
             throughput += [(name, method, "ddp", g) for g in several]
             if 1 in args.gpus and not args.smoke:
                 context.append((name, method, "ddp+fast", 1))
-            if "fsdp+fast" in modes and not args.smoke:
+            if {"fsdp+fast", "ddp+fast"} & modes and not args.smoke:
                 for g in several:
                     fast += [(name, method, "fsdp+fast", g), (name, method, "ddp+fast", g)]
     return [cell for cell in ladder + throughput + context + fast if cell[2] in modes]

@@ -21,15 +21,20 @@ from trainer.fastpath.patch import patch_lora_linears
 class ReplayOnCpu:
     """The device side of ``LayerGraphs`` on a CPU: ``capture`` records, ``replay`` runs the recording."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, fail_after: int | None = None) -> None:
         self.captured = 0
         self.fail = fail
+        self.fail_after = fail_after  # captures that succeed before every later one fails
+        self.released = False
 
     def capture(self, body):
-        if self.fail:
+        if self.fail or (self.fail_after is not None and self.captured >= self.fail_after):
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captured += 1
         return types.SimpleNamespace(replay=body)
+
+    def release(self) -> None:
+        self.released = True
 
 
 def train(model, batches, autocast: bool, graphs=None, steps_per_update: int = 2, lr: float = 0.5):
@@ -74,14 +79,15 @@ def fused_llama(write_config):
     return model
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_graphed_layers_train_as_the_eager_ones(write_config, autocast):
+@pytest.mark.parametrize("autocast,alias", [(False, False), (True, False), (True, True)])
+def test_graphed_layers_train_as_the_eager_ones(write_config, autocast, alias):
     """Six micro-batches, three optimizer steps: the graphs are captured at each layer's second call, then
-    replayed with new batches, new masks, accumulated gradients and weights the optimizer changed."""
+    replayed with new batches, new masks, accumulated gradients and weights the optimizer changed; also where
+    the backward graphs read views of the parameters (as under DDP, ``reading_views``)."""
     batches = packed_batches(6)
     eager_losses, eager_weights = train(fused_llama(write_config), batches, autocast)
     backend = ReplayOnCpu()
-    graphs = layer_graphs.LayerGraphs(backend)
+    graphs = layer_graphs.LayerGraphs(backend, alias_params=alias)
     losses, weights = train(fused_llama(write_config), batches, autocast, graphs)
     assert backend.captured == 2 * 2, "a forward and a backward graph for each of the two layers"
     assert graphs.off is None and graphs.describe()["graphs"] == 4
@@ -113,6 +119,37 @@ def test_replays_read_each_batch_not_the_captured_one(write_config):
     assert got[2] != got[1] and got[3] != got[2]
 
 
+def test_under_ddp_the_backward_graph_asks_for_gradients_of_views_made_in_it_not_of_the_parameters(
+    write_config, monkeypatch
+):
+    """DDP keeps each parameter's gradient accumulator from before any capture, on the default stream; asking
+    for the parameters' gradients inside a capture makes that stream wait on the capturing one, which ends the
+    capture. With several processes the graph asks for the gradients of views made inside it instead, and the
+    layer's parameters are its own again afterwards."""
+    model = fused_llama(write_config)
+    graphs = layer_graphs.LayerGraphs(ReplayOnCpu())
+    offload.offload_checkpointed_layers(model, graphs)
+    monkeypatch.setattr(layer_graphs, "several_processes", lambda: True)
+    asked = []
+    grad = torch.autograd.grad
+
+    def spy(outputs, inputs, *args, **kwargs):
+        asked.append(list(inputs))
+        return grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    ids = torch.randint(3, 1024, (2, 24))
+    for _ in range(3):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert graphs.captured == 4 and asked
+    trainable = {id(p): p for p in model.parameters() if p.requires_grad}
+    for inputs in asked:
+        views = [t for t in inputs if t._base is not None and id(t._base) in trainable]
+        assert views and not any(id(t) in trainable for t in inputs)
+    layer = next(m for name, m in model.named_modules() if name.endswith("layers.0"))
+    assert all(type(p) is torch.nn.Parameter for p in layer.parameters())
+
+
 def test_a_failed_capture_leaves_every_layer_eager(write_config, capsys):
     batches = packed_batches(4)
     eager_losses, eager_weights = train(fused_llama(write_config), batches, False)
@@ -125,6 +162,22 @@ def test_a_failed_capture_leaves_every_layer_eager(write_config, capsys):
     assert "CUDA graphs are off" in capsys.readouterr().err
     assert losses == pytest.approx(eager_losses, rel=1e-6)
     assert all(rel_err(a, b) < 1e-6 for a, b in zip(weights, eager_weights))
+
+
+def test_a_capture_failing_after_others_drops_those_graphs_and_gives_their_memory_back(write_config):
+    """As under DDP before views (2x H200): every forward graph captured, then the first backward capture
+    failed. The forward graphs are never replayed after that, so their pool goes back; training is eager."""
+    batches = packed_batches(4)
+    eager_losses, _ = train(fused_llama(write_config), batches, False)
+    backend = ReplayOnCpu(fail_after=2)  # the two layers' forward graphs
+    graphs = layer_graphs.LayerGraphs(backend, alias_params=False)
+    losses, _ = train(fused_llama(write_config), batches, False, graphs)
+    assert backend.captured == 2 and "operation not permitted" in graphs.off
+    assert backend.released and graphs.captured == 0 and graphs.statics is None
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+    never = ReplayOnCpu(fail=True)
+    train(fused_llama(write_config), batches, False, layer_graphs.LayerGraphs(never))
+    assert not never.released  # nothing was captured, nothing to give back
 
 
 def test_layers_with_dropout_or_hooks_stay_eager(write_config):

@@ -31,6 +31,7 @@ def test_cells_land_in_the_report_one_by_one_and_the_budget_skips_the_rest(tmp_p
         ("glm_air", "qlora", "ddp", 1), ("glm_air", "qlora", "fsdp", 2),
         ("dense", "qlora", "ddp", 2), ("glm_air", "qlora", "ddp", 2),
         ("dense", "qlora", "ddp+fast", 1), ("glm_air", "qlora", "ddp+fast", 1),
+        ("dense", "qlora", "ddp+fast", 2), ("glm_air", "qlora", "ddp+fast", 2),
     ]  # fmt: skip
     fast = bench.argparse.Namespace(
         **{**vars(args), "gpus": [2], "methods": ["lora"], "modes": ["fsdp+fast", "ddp+fast"]}
@@ -38,6 +39,8 @@ def test_cells_land_in_the_report_one_by_one_and_the_budget_skips_the_rest(tmp_p
     assert bench.memory_cells(fast, {"dense": models["dense"]}) == [
         ("dense", "lora", "fsdp+fast", 2), ("dense", "lora", "ddp+fast", 2),
     ]  # fmt: skip
+    only_ddp_fast = bench.argparse.Namespace(**{**vars(fast), "modes": ["ddp+fast"]})
+    assert bench.memory_cells(only_ddp_fast, {"dense": models["dense"]}) == [("dense", "lora", "ddp+fast", 2)]
     only_fsdp = bench.argparse.Namespace(**{**vars(args), "gpus": [2, 4], "modes": ["fsdp"]})
     assert bench.memory_cells(only_fsdp, models) == [
         ("dense", "qlora", "fsdp", 2), ("dense", "qlora", "fsdp", 4),
@@ -58,7 +61,7 @@ def test_cells_land_in_the_report_one_by_one_and_the_budget_skips_the_rest(tmp_p
     bench.memory(args, models, tmp_path / "out", report)
     assert [len(rows) for rows in seen] == [0, 1]  # the first cell was in the file before the second started
     rows = json.loads((tmp_path / "report.json").read_text())["memory"]
-    assert [r["status"] for r in rows] == ["failed (1)"] * 2 + ["skipped (budget)"] * 6
+    assert [r["status"] for r in rows] == ["failed (1)"] * 2 + ["skipped (budget)"] * 8
     assert rows[1]["mode"] == "fsdp" and rows[1]["gpus"] == 2
 
 
@@ -170,3 +173,24 @@ def test_all_gather_bandwidth_bench_runs_on_two_cpu_processes():
     rows = json.loads(result.stdout.strip().splitlines()[-1])
     assert [r["mb"] for r in rows] == [1.0, 2.0] and all(r["ms"] > 0 and r["world"] == 2 for r in rows)
     assert "all-gather, 2 ranks, cpu (gloo)" in result.stdout
+
+
+def test_the_fast_path_column_says_whether_the_layers_replayed_from_graphs_and_why_not(tmp_path):
+    bench = load_bench()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    report = {"event": "model_report", "fast_path": {"enabled": True, "lora_modules_fused": 32,
+              "fused_loss": True, "cuda_graphs": "layers"}}  # fmt: skip
+    events = [report, {"event": "cuda_graphs", "state": "replaying", "detail": "hidden states 1x2048x4096"}]
+    (logs / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert bench.fast_path_ran(tmp_path) == (
+        "on: 32 LoRA nodes, fused loss True, graphs replaying: hidden states 1x2048x4096"
+    )
+    events.append({"event": "cuda_graphs", "state": "off", "detail": "capturing layer failed: RuntimeError"})
+    (logs / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert bench.fast_path_ran(tmp_path).endswith("graphs off: capturing layer failed: RuntimeError")
+    report["fast_path"]["cuda_graphs"] = "off: 2 processes: several processes replay graphs only with on"
+    (logs / "events.jsonl").write_text(json.dumps(report) + "\n")
+    assert bench.fast_path_ran(tmp_path).endswith(
+        "graphs off: 2 processes: several processes replay graphs only with on"
+    )

@@ -18,11 +18,14 @@ How (``LayerGraphs``, called by ``offload._OffloadedCheckpoint``):
 What stays eager, as before: a layer with hooks or dropout (the recompute would draw other masks), a shape
 other than the first one captured, and everything once a capture fails (the reason is kept in ``off``). Several
 processes only where their gradients are averaged once after the step, and with ``performance.cuda_graphs: on``
-(decided where the fast path is applied, ``graphs_unavailable``): DDP's gradient hooks would not see these.
+(decided where the fast path is applied, ``graphs_unavailable``): DDP's gradient hooks would not see these;
+there the backward graphs ask for the gradients of views of the parameters (``reading_views``). A capture that
+fails after others drops those graphs and gives their pool back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import weakref
@@ -63,6 +66,13 @@ class CudaGraphs:
             body()
         self.unseen_bytes = _unallocated_pool_bytes(self.pool)
         return graph
+
+    def release(self) -> None:
+        """Give back the pool once no graph of it will replay (a later capture failed): the graphs are gone,
+        so its memory is only cached, and the run's peak stops counting it."""
+        self.pool = None
+        self.unseen_bytes = 0
+        torch.cuda.empty_cache()
 
     @classmethod
     def unseen_bytes_now(cls) -> int:
@@ -149,9 +159,10 @@ def _autocast(state: dict):
 class LayerGraphs:
     """The graphs of one model's checkpointed layers (see the module's docstring)."""
 
-    def __init__(self, backend=None, warmup: int = 1) -> None:
+    def __init__(self, backend=None, warmup: int = 1, alias_params: bool | None = None) -> None:
         self.backend = backend or CudaGraphs()
         self.warmup = warmup
+        self.alias_params = alias_params  # None: where several processes run (``reading_views``)
         self.statics: _Statics | None = None
         self.signature: tuple | None = None
         self.calls: dict = {}  # ((layer id, kind), signature) -> eager calls so far
@@ -230,11 +241,14 @@ class LayerGraphs:
             statics = self._statics(call, hidden)
             run = call.with_side(statics.side)
 
+            alias = several_processes() if self.alias_params is None else self.alias_params
+
             def body():
                 with torch.enable_grad(), _autocast(autocast), lora_ops.inline_casts():
                     h = statics.hidden.detach().requires_grad_(need_input_grad)
-                    out = run(h)
-                inputs = ([h] if need_input_grad else []) + params
+                    with reading_views(call.layer, params, alias) as read:
+                        out = run(h)
+                inputs = ([h] if need_input_grad else []) + read
                 grads = list(torch.autograd.grad(out, inputs, statics.grad, allow_unused=True))
                 if need_input_grad:
                     statics.out.copy_(grads.pop(0))
@@ -298,7 +312,11 @@ class LayerGraphs:
 
     def _give_up(self, reason: str) -> None:
         self.off = reason
+        had_graphs = bool(self.graphs)
         self.graphs.clear()
+        self.statics = None
+        if had_graphs and hasattr(self.backend, "release"):
+            self.backend.release()  # the forward graphs captured before a failed backward one, say
         print(f"WARNING: CUDA graphs are off for this run's layers (they run eagerly): {reason}",
               file=sys.stderr, flush=True)  # fmt: skip
         if self.on_change is not None:
@@ -316,6 +334,41 @@ class LayerGraphs:
     def describe(self) -> dict:
         eager = sorted({why for why in self.eager_layers.values() if why})
         return {"graphs": self.captured, "eager_layers": eager, "off": self.off}
+
+
+def several_processes() -> bool:
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and (torch.distributed.get_world_size() > 1)
+    )
+
+
+@contextlib.contextmanager
+def reading_views(layer: torch.nn.Module, params: list, alias: bool):
+    """Within, ``layer`` reads views of its trainable ``params`` made here (yielded: the backward graph asks
+    for the gradients with respect to them); without ``alias``, the parameters themselves.
+
+    Why, under DDP: its reducer keeps every parameter's gradient accumulator alive from when it wrapped the
+    model, and that node remembers the stream current then (the default one). Asked for gradients with respect
+    to the parameters, the autograd engine makes that stream wait on the capturing one, which ends the capture
+    ("operation would make the legacy stream depend on a capturing blocking stream", measured on 2x H200). A
+    view made inside the capture belongs to the capturing stream, and its gradient is the parameter's."""
+    if not alias:
+        yield params
+        return
+    views = {id(p): p.view_as(p) for p in params}
+    swapped = []
+    for module in layer.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) in views:
+                swapped.append((module, name, param))
+                module._parameters[name] = views[id(param)]
+    try:
+        yield [views[id(p)] for p in params]
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
 
 
 def adopt_grads(params: list, buffers: list) -> None:
