@@ -126,7 +126,7 @@ def cell_config(out: Path, model: Path, method: str, distributed: str, gpus: int
         "quantization": {"compute_dtype": "fp32" if fp32 or args.smoke else "bf16"},
         "data": {"max_length": args.length, "val_fraction": 0.01},
         "eval": {"interval": 10_000, "at_end": False},
-        "memory": {"gradient_checkpointing": not args.smoke},
+        "memory": {"gradient_checkpointing": not args.smoke and not getattr(args, "no_checkpointing", False)},
         "logging": {"progress_bar": False, "telemetry_interval": 2},
         "performance": {
             "tf32": not fp32,
@@ -580,7 +580,12 @@ def main(argv: list[str] | None = None) -> int:
         "--cuda-graphs",
         choices=("auto", "on", "off"),
         default="auto",
-        help="performance.cuda_graphs of the DDP cells; on: DDP + fast LoRA/QLoRA replay their layers too",
+        help="performance.cuda_graphs of the DDP cells (auto: DDP + fast LoRA/QLoRA replay their layers)",
+    )
+    parser.add_argument(
+        "--no-checkpointing",
+        action="store_true",
+        help="cells without gradient checkpointing (DDP + fast then replays its whole layer stack)",
     )
     parser.add_argument("--port", type=int, default=29700)
     parser.add_argument("--build-weights", nargs=2, metavar=("FOLDER", "DTYPE"), help=argparse.SUPPRESS)

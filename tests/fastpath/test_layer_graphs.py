@@ -309,11 +309,13 @@ def test_a_run_with_graphed_layers_logs_the_losses_of_an_eager_run(tmp_path, che
 
 
 @pytest.mark.slow
-def test_two_ddp_ranks_replaying_graphs_average_the_gradients_the_graphs_add(tmp_path):
-    """A graph adds its gradients straight into ``.grad``, unseen by DDP's hooks. With ``cuda_graphs: on``, two
-    LoRA ranks whose gradients are averaged once after each step (``memory.oom_fallback``, the default) replay
-    their checkpointed layers from graphs (the CPU stand-in) and train the losses of one eager process over the
-    same rows: a rank that stepped on its own gradients alone would drift from them after the first step."""
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_two_ddp_ranks_replaying_graphs_average_the_gradients_the_graphs_add(tmp_path, checkpointing):
+    """A graph adds its gradients straight into ``.grad``, unseen by DDP's hooks. By default (``cuda_graphs:
+    auto``), two LoRA ranks whose gradients are averaged once after each step (``memory.oom_fallback``, the
+    default) replay their layers from graphs (the CPU stand-in; checkpointed layers, or the whole stack) on
+    views of their parameters, and train the losses of one eager process over the same rows: a rank that
+    stepped on its own gradients alone would drift from them after the first step."""
     import subprocess
 
     from tests.helpers import REPO, run_trainer
@@ -326,10 +328,10 @@ def test_two_ddp_ranks_replaying_graphs_average_the_gradients_the_graphs_add(tmp
         two_process_env,
     )
 
-    extra = lora_run(checkpointing=True, save_steps=4)
+    extra = lora_run(checkpointing=checkpointing, save_steps=4)
     one_cfg, one = llama_config(tmp_path, "one", {**extra, "performance": {"cuda_graphs": "off"}})
     assert run_trainer("train", "--config", str(one_cfg)).returncode == 0
-    two_cfg, two = llama_config(tmp_path, "two", {**extra, "performance": {"cuda_graphs": "on"}})
+    two_cfg, two = llama_config(tmp_path, "two", extra)
     command = two_process_command(two_cfg)
     at = command.index("trainer")
     command[at - 1 : at + 1] = ["-m", "tests.fast_path_on_cpu"]
@@ -337,7 +339,7 @@ def test_two_ddp_ranks_replaying_graphs_average_the_gradients_the_graphs_add(tmp
     ranks = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert ranks.returncode == 0, ranks.stderr[-3000:]
     assert "replay from graphs now" in ranks.stdout
-    assert fast_path_report(two)["cuda_graphs"] == "layers"
+    assert fast_path_report(two)["cuda_graphs"] == ("layers" if checkpointing else "layer stack")
     assert_same_losses(losses(two), losses(one))
 
 
@@ -405,10 +407,9 @@ def test_where_the_graphs_apply_and_what_on_insists_on():
     assert "data.packing: false" in graphs_unavailable("auto", cuda, False, 1, packing=False)
     assert graphs_unavailable("auto", cuda, True, 1, checkpointing=True, packing=False) is None  # one layer's
     assert "DDP's gradient hooks" in graphs_unavailable("auto", cuda, True, 2)
-    # gradients averaged once after the step: several processes replay graphs, but only when asked to
-    assert "performance.cuda_graphs: on" in graphs_unavailable(
-        "auto", cuda, True, 2, grads_synced_after_step=True
-    )
+    # gradients averaged once after the step: several processes replay graphs, checkpointed or not
+    assert graphs_unavailable("auto", cuda, True, 2, checkpointing=True, grads_synced_after_step=True) is None
+    assert graphs_unavailable("auto", cuda, False, 2, grads_synced_after_step=True) is None
     assert graphs_unavailable("on", cuda, True, 2, checkpointing=True, grads_synced_after_step=True) is None
     with pytest.raises(FastPathUnavailable, match="cuda_graphs: on, but 2 processes"):
         graphs_unavailable("on", cuda, True, 2)

@@ -55,16 +55,17 @@ def train(model, ids_list, autocast: bool = False, steps_per_update: int = 2, lr
     return losses, [p.detach().clone() for p in params]
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_replayed_layers_train_as_the_eager_ones(write_config, autocast):
+@pytest.mark.parametrize("autocast,alias", [(False, False), (True, False), (True, True)])
+def test_replayed_layers_train_as_the_eager_ones(write_config, autocast, alias):
     """Eight micro-batches, four optimizer steps with accumulation and clipping: the first forward runs
     eagerly, the second captures both layers' forward and backward graphs, the rest replay them with new
-    batches and the weights the optimizer changed."""
+    batches and the weights the optimizer changed. ``alias``: as with several processes, the layers run on
+    views of their parameters made inside the forward graphs."""
     data = batches(8)
     eager_losses, eager_weights = train(llama(write_config), data, autocast)
     backend = ReplayOnCpu()
     model = llama(write_config)
-    graphs = graphed(model, backend)
+    graphs = graphed(model, backend, alias_params=alias)
     losses, weights = train(model, data, autocast)
     assert backend.captured == 2 * 2 and graphs.off is None
     tolerance = 2e-2 if autocast else 1e-6
@@ -94,6 +95,35 @@ def test_every_layer_learns_through_the_replays(write_config):
             assert rel_err(param.grad, named[name].grad) < 1e-5, name
             checked += 1
     assert checked == 2 * 2 * len(ALL_LINEAR)
+
+
+def test_under_ddp_the_backward_graphs_ask_for_gradients_of_views_made_in_the_forward_ones(
+    write_config, monkeypatch
+):
+    """DDP keeps each parameter's gradient accumulator on the default stream from before any capture; asked
+    for the parameters' own gradients, a backward capture fails (2x H200, layer_graphs). With several
+    processes the forward graphs run each layer on views made inside them and the backward graphs ask for
+    those views' gradients; afterwards the layers hold their own parameters again."""
+    monkeypatch.setattr(stack_graphs, "several_processes", lambda: True)
+    model = llama(write_config)
+    graphs = graphed(model)
+    asked = []
+    grad = torch.autograd.grad
+
+    def spy(outputs, inputs, *args, **kwargs):
+        asked.append(list(inputs))
+        return grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    for ids in batches(3):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert graphs.fwd and graphs.off is None and asked
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    for inputs in asked:
+        views = [t for t in inputs if t._base is not None and id(t._base) in trainable]
+        assert views and not any(id(t) in trainable for t in inputs)
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 def test_other_shapes_evaluation_and_no_grad_run_eagerly(write_config):

@@ -150,6 +150,10 @@ def test_cells_take_the_optimizer_and_bad_modes_are_refused(tmp_path, capsys):
     assert bench.yaml.safe_load(config.read_text())["performance"]["cuda_graphs"] == "on"
     config = bench.cell_config(tmp_path / "cell", tmp_path, "lora", "fsdp", 2, args)
     assert bench.yaml.safe_load(config.read_text())["performance"]["cuda_graphs"] == "auto"
+    assert bench.yaml.safe_load(config.read_text())["memory"]["gradient_checkpointing"] is True
+    args.no_checkpointing = True  # --no-checkpointing: DDP + fast replays its whole stack
+    config = bench.cell_config(tmp_path / "cell", tmp_path, "lora", "ddp", 2, args)
+    assert bench.yaml.safe_load(config.read_text())["memory"]["gradient_checkpointing"] is False
     with pytest.raises(SystemExit) as info:
         bench.main(["--out", str(tmp_path / "out"), "--gpus", "2", "--modes", "fsdp,zero3"])
     assert info.value.code == 2

@@ -151,8 +151,8 @@ class PerformanceConfig:
     its second call (trainer/fastpath/layer_graphs.py); without checkpointing, every layer's forward and
     backward, captured at the second training forward of a shape (trainer/fastpath/stack_graphs.py; causal
     LMs on the fast path, GLA on its checked Triton kernels; with data.packing, since unpacked batches change
-    width). Several processes only with on, under DDP with LoRA-style methods and memory.oom_fallback (their
-    gradients averaged once after the step: DDP's hooks would not see a graph's); layers with dropout or hooks,
+    width). Several processes only under DDP with LoRA-style methods and memory.oom_fallback (their gradients
+    averaged once after the step: DDP's hooks would not see a graph's); layers with dropout or hooks,
     other shapes and calls the family marks (GLA's packed rows) run eagerly; after a graphed stack's capture, a
     training batch of another shape or mask runs eagerly under activation checkpointing. auto takes it where it applies, on insists (exit 2 where it cannot
     apply), off never."""

@@ -17,7 +17,10 @@ How (``StackGraphs``): each layer's ``forward`` goes through ``_call``.
 - Static tensors chain the layers: layer i's output graph writes layer i+1's input, and one gradient buffer
   carries the gradient down the stack, so a replayed layer hands the next one its tensor with no copy.
 - Parameter gradients are added inside the backward graphs into buffers that become ``.grad``
-  (``layer_graphs.adopt_grads``), so accumulation over micro-batches is a sum whatever zero_grad did.
+  (``layer_graphs.adopt_grads``), so accumulation over micro-batches is a sum whatever zero_grad did. With
+  several processes the forward graphs run each layer on views of its parameters made inside the capture, and
+  the backward graphs ask for the views' gradients (``layer_graphs.reading_views``: DDP's retained gradient
+  accumulators would end the capture).
 
 Eager, as the model was: evaluation and no-grad forwards, a call the family marks unsafe (``eager_call``: GLA's
 varlen rows, whose chunk layout fla reads on the host; frequent, so run as they are), and everything once a
@@ -38,7 +41,15 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from trainer.fastpath import lora_ops
-from trainer.fastpath.layer_graphs import CudaGraphs, _autocast, _plain, adopt_grads, why_eager
+from trainer.fastpath.layer_graphs import (
+    CudaGraphs,
+    _autocast,
+    _plain,
+    adopt_grads,
+    reading_views,
+    several_processes,
+    why_eager,
+)
 
 
 @dataclass
@@ -79,10 +90,12 @@ class _Replayed(torch.autograd.Function):
 class StackGraphs:
     """The graphs of one model's decoder layers (see the module's docstring)."""
 
-    def __init__(self, layers, backend=None, warmup: int = 1, eager_call=None) -> None:
+    def __init__(self, layers, backend=None, warmup: int = 1, eager_call=None, alias_params=None) -> None:
         self.layers = list(layers)
         self.backend = backend or CudaGraphs()
         self.warmup = warmup
+        self.alias_params = alias_params  # None: where several processes run (``layer_graphs.reading_views``)
+        self.reads: list = []  # per layer: what its backward graph asks gradients of (parameters, or views)
         self.eager_call = eager_call  # kwargs -> True where the family says this call cannot be recorded
         self.forwards = {}  # layer-0 signature -> eager training forwards seen
         self.recorded: list[_Call | None] = [None] * len(self.layers)
@@ -219,6 +232,7 @@ class StackGraphs:
         self.grad = torch.empty_like(hidden)
         self.grads = [self._grad_buffers(layer) for layer in self.layers]
         autocast = {**_autocast_now(hidden.device.type)}
+        self.reads = [params for params, _ in self.grads]
         held: list = [None] * len(
             self.layers
         )  # each forward graph's output, whose autograd graph backward reads
@@ -243,13 +257,16 @@ class StackGraphs:
     def _forward_body(self, i: int, held: list, autocast: dict):
         recorded = self.recorded[i]
         original = self._originals[i]
+        alias = several_processes() if self.alias_params is None else self.alias_params
 
         def body():
             side = iter(self.side)
             leaves = [next(side) if isinstance(v, torch.Tensor) else v for v in recorded.leaves]
             args, kwargs = pytree.tree_unflatten(leaves, recorded.spec)
             with torch.enable_grad(), _autocast(autocast), lora_ops.inline_casts():
-                out = pytree.tree_leaves(original(self.ins[i], *args, **kwargs))[0]
+                with reading_views(self.layers[i], self.grads[i][0], alias) as read:
+                    out = pytree.tree_leaves(original(self.ins[i], *args, **kwargs))[0]
+            self.reads[i] = read
             with torch.no_grad():
                 self.ins[i + 1].copy_(out)
             held[i] = out
@@ -257,11 +274,11 @@ class StackGraphs:
         return body
 
     def _backward_body(self, i: int, held: list):
-        params, buffers = self.grads[i]
+        buffers = self.grads[i][1]
         need_input_grad = i > 0 or self.need_input_grad
 
         def body():
-            inputs = ([self.ins[i]] if need_input_grad else []) + params
+            inputs = ([self.ins[i]] if need_input_grad else []) + self.reads[i]
             with lora_ops.inline_casts():
                 grads = list(torch.autograd.grad(held[i], inputs, self.grad, allow_unused=True))
             held[i] = None  # its saved tensors are free for the next graph, as they will be at replay
@@ -295,8 +312,10 @@ class StackGraphs:
 
     def _give_up(self, reason: str) -> None:
         self.off = reason
-        self.fwd, self.bwd, self.ins, self.grads, self.grad = [], [], [], [], None
+        self.fwd, self.bwd, self.ins, self.grads, self.grad, self.reads = [], [], [], [], None, []
         self.replaying = False
+        if hasattr(self.backend, "release"):
+            self.backend.release()  # graphs captured before the one that failed are never replayed
         print(f"WARNING: CUDA graphs are off for this run's layers (they run eagerly): {reason}",
               file=sys.stderr, flush=True)  # fmt: skip
         if self.on_change is not None:
