@@ -2,10 +2,14 @@
 allocator snapshot with its history (``bench/memory_history`` records one per trainer process).
 
 Why: peak memory against Unsloth's is a target of issue 31, and the run's ``peak_mem_mb`` says how much, not
-what. A CUDA graph's private pool also changes what the peak is made of: the tensors a captured call allocates
-and frees stay reserved in the pool after capture (every replay writes them again), so from the last capture
-on the step's real peak is the other tensors' allocated bytes plus the pool's unallocated ones, which is how
-the kit's ``peak_mem_mb`` counts it (``layer_graphs.CudaGraphs.unseen_bytes_now``).
+what. Two things make the device hold more than ``max_memory_allocated`` says:
+- a block freed while another stream still uses it (``record_stream``) stops counting as allocated at once,
+  but is occupied until that stream is done, which is late when the host runs ahead of the device;
+- a CUDA graph's private pool keeps the tensors a captured call allocates and frees reserved after capture
+  (every replay writes them again). The kit's ``peak_mem_mb`` adds those unallocated pool bytes
+  (``layer_graphs.CudaGraphs.unseen_bytes_now``).
+So from the last capture on this counts each block until its free completed, plus the pools' unallocated
+bytes: what the device must hold, at least what ``peak_mem_mb`` reports.
 
     PYTHONPATH=bench/memory_history:$PYTHONPATH MEMORY_HISTORY_DIR=/tmp/mh python -m trainer train --config c.yaml
     python bench/memory_peak.py /tmp/mh/*.pickle --top 25
@@ -60,6 +64,7 @@ def kit_caller(frames: list[dict]) -> str:
 class Peak:
     events: int
     allocated_peak: int  # the allocator's max_memory_allocated over the history
+    occupied_peak: int  # the same, counting a block until its free completes (a stream using it is done)
     pool_reserved: int  # the graphs' private pools at the end: segments' total size
     pool_allocated: int
     after_capture: int | None  # index of the event after which the non-captured allocated bytes peaked
@@ -73,11 +78,26 @@ def private_pools(segments: list[dict]) -> tuple[int, int]:
     return sum(s["total_size"] for s in pools), sum(s["allocated_size"] for s in pools)
 
 
+def _peak(events: list[dict], freed_by: str) -> int:
+    """The most bytes allocated at once, a block counted until its ``freed_by`` event."""
+    sizes: dict[int, int] = {}
+    total = peak = 0
+    for event in events:
+        if event["action"] == "alloc":
+            sizes[event["addr"]] = event["size"]
+            total += event["size"]
+        elif event["action"] == freed_by and event["addr"] in sizes:
+            total -= sizes.pop(event["addr"])
+        peak = max(peak, total)
+    return peak
+
+
 def analyse(snapshot: dict, device: int = 0) -> Peak:
     events = snapshot["device_traces"][device]
     segments = [s for s in snapshot.get("segments", []) if s.get("device", device) == device]
+    peak = _peak(events, "free_requested")
     live: dict[int, dict] = {}
-    total = peak = 0
+    total = occupied = 0
     last_capture = -1
     for i, event in enumerate(events):
         if event["action"] == "alloc":
@@ -87,7 +107,7 @@ def analyse(snapshot: dict, device: int = 0) -> Peak:
                 last_capture = i
         elif event["action"] == "free_completed" and event["addr"] in live:
             total -= live.pop(event["addr"])["size"]
-        peak = max(peak, total)
+        occupied = max(occupied, total)
     before = max(0, sum(s["allocated_size"] for s in segments) - total)
     reserved, pool_allocated = private_pools(segments)
     # Second pass: from the last capture on, the non-captured tensors' allocated bytes and where they peak.
@@ -118,6 +138,7 @@ def analyse(snapshot: dict, device: int = 0) -> Peak:
     return Peak(
         len(events),
         peak + before,
+        occupied + before,
         reserved,
         pool_allocated,
         best_at,
@@ -132,14 +153,15 @@ def report(peak: Peak, top: int) -> str:
     lines = [
         f"{peak.events} allocator events; allocated bytes the history did not see allocated: "
         f"{peak.before_history / MIB:.0f} MiB",
-        f"allocator peak (max_memory_allocated): {peak.allocated_peak / MIB:.0f} MiB",
+        f"allocator peak (max_memory_allocated): {peak.allocated_peak / MIB:.0f} MiB; counting each block until "
+        f"its free completed (after the streams that used it): {peak.occupied_peak / MIB:.0f} MiB",
         f"graph pools at the end: {peak.pool_reserved / MIB:.0f} MiB reserved, {peak.pool_allocated / MIB:.0f} MiB "
         f"of it allocated",
-        f"peak from the last capture on: {peak.after_capture_bytes / MIB:.0f} MiB allocated outside the pools + "
+        f"peak from the last capture on: {peak.after_capture_bytes / MIB:.0f} MiB occupied outside the pools + "
         f"{unallocated / MIB:.0f} MiB unallocated in them = {(peak.after_capture_bytes + unallocated) / MIB:.0f} "
         f"MiB (event {peak.after_capture})",
         "",
-        "live outside the pools at that peak, by the line that allocated it:",
+        "occupied outside the pools at that peak, by the line that allocated it:",
         "| MiB | blocks | site | in trainer/ |",
         "|---|---|---|---|",
     ]

@@ -330,6 +330,32 @@ def test_fused_loss_runs_in_the_heads_dtype_whatever_accelerate_hands_back(monke
     assert seen == {"hidden": torch.bfloat16, "weight": torch.bfloat16, "n": 5, "reduction": "sum"}
 
 
+def test_fused_loss_picks_each_positions_next_token_and_skips_ignored_ones(monkeypatch):
+    """The rows the fused loss gets (picked from the flattened states, each with the next token as target,
+    a row's last position and ignored targets left out) give the plain shifted cross-entropy and its gradient."""
+    import torch.nn.functional as F
+
+    import trainer.fastpath as fastpath
+
+    def plain_flce(hidden, weight, labels, ignore_index, reduction, chunk_mem_const):
+        return F.cross_entropy(hidden @ weight.t(), labels, ignore_index=ignore_index, reduction=reduction)
+
+    monkeypatch.setattr(fastpath, "_liger_flce", lambda: plain_flce)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    labels = torch.tensor([[1, 2, -100, 4, 5], [6, -100, -100, 9, 10], [3, 3, 3, 3, -100]])
+    hidden = torch.randn(3, 5, 8, requires_grad=True)
+    fused = fastpath.fused_cross_entropy(head, hidden, labels)
+    (fused_grad,) = torch.autograd.grad(fused, hidden)
+    reference = fastpath.reference_cross_entropy(head, hidden, labels)
+    (reference_grad,) = torch.autograd.grad(reference, hidden)
+    assert torch.allclose(fused, reference, atol=1e-5)
+    assert torch.allclose(fused_grad, reference_grad, atol=1e-6)
+    assert torch.all(fused_grad[:, -1] == 0)  # a row's last position has no next token
+    all_ignored = torch.full_like(labels, -100)
+    assert fastpath.fused_cross_entropy(head, hidden, all_ignored).item() == 0.0
+
+
 @pytest.mark.slow
 def test_model_report_says_whether_the_fast_path_ran(write_config, tmp_path):
     import json

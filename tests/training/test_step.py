@@ -109,3 +109,39 @@ def test_fsdp_syncs_every_micro_batch_where_ddp_syncs_only_the_last():
         step(list(range(8)), StepShape(micro=1, accum=4))
         skipped[kind] = accelerator.skipped
     assert skipped == {DistributedType.MULTI_GPU: 3, DistributedType.FSDP: 0}
+
+
+class TinyHeadLM(TinyLM):
+    """TinyLM with its head found where the loss looks (``get_output_embeddings``), its output converted to
+    fp32 as accelerate's ``convert_outputs_to_fp32`` does under bf16 mixed precision."""
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, use_cache=False):
+        return SimpleNamespace(logits=self.head(self.embed(input_ids)).float())
+
+
+def test_the_head_loss_gets_the_heads_own_input_not_the_fp32_copy_of_the_output():
+    """Under mixed precision the forward's outputs come back in fp32: the loss takes the tensor the head was
+    handed (bf16 here), not a copy of twice its size, and the loss is the same."""
+    from trainer.training.step import HeadLoss
+
+    model = TinyHeadLM().to(torch.bfloat16)
+    seen = []
+
+    def head_loss(head, hidden, labels):
+        seen.append(hidden)
+        return F.cross_entropy(
+            head(hidden[:, :-1]).float().reshape(-1, 11), labels[:, 1:].reshape(-1), reduction="sum"
+        )
+
+    batch = collate([Sequence([1, 2, 3, 4], [1, 2, 3, 4], [0, 1, 2, 3])], 0)
+    loss = HeadLoss(lambda b: {"input_ids": b["input_ids"]}, head_loss)
+    ce_sum, _ = loss(model, batch, CpuAccelerator())
+    assert seen[0].dtype == torch.bfloat16 and seen[0].shape == (1, 4, 8)
+    assert torch.equal(seen[0], model.embed(batch["input_ids"]))
+    expected = head_loss(model.head, model.embed(batch["input_ids"]), batch["labels"])
+    assert torch.equal(ce_sum, expected)
+    ce_sum.backward()
+    assert model.embed.weight.grad is not None  # the gradient reaches the model through the head's input

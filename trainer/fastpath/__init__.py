@@ -357,18 +357,22 @@ def fused_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, labels: tor
     and casting the 128k x H head up to match would copy it (a GiB) and run the head in fp32 every step.
     """
     dtype = head.weight.dtype
-    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-    labels = labels[:, 1:].reshape(-1)
-    keep = labels != IGNORE  # prompt and padding tokens need no logits at all
+    # Each position's target is the next token; a row's last position has none.
+    targets = labels.new_full(labels.shape, IGNORE)
+    targets[:, :-1] = labels[:, 1:]
+    targets = targets.reshape(-1)
     # Rows picked by an index found where the labels are (the collated batch is on the host), so the GPU is
     # not asked how many rows survive: a boolean mask on a GPU tensor would stall the host until the GPU
-    # caught up with the whole forward.
-    index = keep.nonzero().squeeze(1)
+    # caught up with the whole forward. Picked from the flattened states (a view): one copy, not a shifted
+    # copy and then a picked one. Prompt and padding tokens need no logits at all.
+    index = (targets != IGNORE).nonzero().squeeze(1)
     if index.numel() == 0:
         return hidden.float().sum() * 0.0
     device = hidden.device
-    hidden = hidden.index_select(0, index.to(device, non_blocking=True)).to(dtype)
-    labels = labels[index].to(device, non_blocking=True)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    hidden = flat.to(dtype).index_select(0, index.to(device, non_blocking=True))
+    del flat
+    labels = targets[index].to(device, non_blocking=True)
     return _liger_flce()(
         hidden,
         head.weight,

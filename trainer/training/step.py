@@ -85,11 +85,14 @@ class HeadLoss:
         inputs = to_device(self.model_inputs(batch), accelerator.device)
         head = chunked_loss.output_head(model)
         with accelerator.autocast():
-            with chunked_loss.head_bypassed(head):
+            with chunked_loss.head_bypassed(head) as seen:
                 out = model(**inputs, use_cache=False)
-            hidden = out.logits.reshape(*batch["labels"].shape, -1)
+            # The head's own input, not accelerate's fp32 copy of it (dropped with ``out``: nothing reads it).
+            hidden = (out.logits if seen.hidden is None else seen.hidden).reshape(*batch["labels"].shape, -1)
+            aux_loss = getattr(out, "aux_loss", None)
+            del out, seen
             ce_sum = self.head_loss(head, hidden, batch["labels"])
-        return ce_sum, getattr(out, "aux_loss", None)
+        return ce_sum, aux_loss
 
 
 def _as_loaded(model):
