@@ -530,14 +530,19 @@ def checkpoint_grads(model, ids, autocast: bool = False, seed: int = 1):
 @pytest.mark.parametrize("dropout,autocast", [(0.0, False), (0.3, False), (0.0, True)])
 def test_offloaded_checkpointing_gives_the_gradients_of_plain_checkpointing(write_config, dropout, autocast):
     """The recompute replays the forward's RNG (dropout masks) and autocast state, and the LoRA gradients of
-    the first layer arrive although its input (a frozen embedding's output) needs no gradient."""
+    the first layer arrive although its input (a frozen embedding's output) needs no gradient: the hook
+    transformers adds to make it need one is removed (it kept that output and its gradient on the device)."""
     from trainer.fastpath.offload import offload_checkpointed_layers
 
     model = checkpointed_llama(write_config, dropout)
+    embedded = []
+    model.get_input_embeddings().register_forward_hook(lambda m, i, out: embedded.append(out.requires_grad))
     ids = torch.randint(3, 1024, (2, 24))
     ref_loss, ref_grads = checkpoint_grads(model, ids, autocast)
     assert offload_checkpointed_layers(model) == 2
     loss, grads = checkpoint_grads(model, ids, autocast)
+    # transformers' hook made the frozen embedding's output need a gradient; offloaded, nothing needs one
+    assert embedded == [True, False]
     assert float(loss) == float(ref_loss)
     assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 7 * 2
     for name in grads:
@@ -560,6 +565,33 @@ def test_offloader_prefetches_in_backward_order_and_forgets_abandoned_forwards(m
     del slots  # a forward whose backward never ran (an OOM mid-step): its slots die with its graph
     kept = offloader.push(torch.zeros(2))
     assert [ref() for ref in offloader.slots] == [kept]
+
+
+def test_offloader_keeps_only_the_newest_input_waiting_on_the_device(monkeypatch):
+    """Each input is held on the device until the compute stream is ordered after its copy to the host
+    (``settle``): pushing a layer's input settles the ones before it, so a forward the host runs ahead of
+    (replayed layers) never holds every layer's input. The stand-in slot records what the GPU one
+    would do."""
+    from trainer.fastpath import offload
+
+    class Slot:
+        def __init__(self, hidden, stream):
+            self.host, self.source, self.settled = hidden, hidden, False
+
+        def settle(self):
+            self.settled, self.source = True, None
+
+        def prefetch(self):
+            pass
+
+        def load(self):
+            return self.host
+
+    monkeypatch.setattr(offload, "_Slot", Slot)
+    offloader = offload.Offloader()
+    slots = [offloader.push(torch.full((2,), float(i))) for i in range(5)]
+    assert [s.settled for s in slots] == [True, True, True, True, False]
+    assert float(offloader.take(slots[4])[0]) == 4.0
 
 
 def test_offloading_follows_the_memory_setting(write_config, monkeypatch):

@@ -23,15 +23,26 @@ import weakref
 import torch
 
 ATTRIBUTE = "_kit_offloaded_checkpoint"
+# transformers' ``enable_input_require_grads`` (called by its checkpointing, by PEFT, and by the kit's loading:
+# each call adds one) and PEFT's own fallback
+REQUIRE_GRAD_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
 
 
 class _Slot:
-    """One layer input on its way to the host and back."""
+    """One layer input on its way to the host and back.
+
+    No ``record_stream``: a block freed while a side stream still reads it stays occupied until the allocator
+    sees that stream's work done, and with the layers replayed from CUDA graphs the host runs a whole forward
+    ahead of the device, so every layer's input stayed occupied at once (Llama-1B at 4 x 2048: 15 x 32 MiB,
+    bench/memory_peak.py). Instead the input is held until the compute stream is ordered after its copy
+    (``settle``), and a prefetched input is allocated on the compute stream, which waits for its copy: each
+    block is then free for the next allocation the moment it is let go."""
 
     def __init__(self, hidden: torch.Tensor, stream) -> None:
         self.device = hidden.device
         self.stream = stream
         self.back = None  # the input on the GPU again (a prefetch), with the event that says it is there
+        self.source = None  # the input itself, until the compute stream waits for its copy
         if stream is None:  # CPU: nothing to move
             self.host = hidden
             return
@@ -39,13 +50,24 @@ class _Slot:
         with torch.cuda.stream(stream):
             self.host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
             self.host.copy_(hidden, non_blocking=True)
-        hidden.record_stream(stream)  # the GPU block is not reused until the copy has read it
+            self.copied = torch.cuda.Event()
+            self.copied.record(stream)
+        self.source = hidden.detach()  # the storage, not the autograd graph that made it
+
+    def settle(self) -> None:
+        """Order the compute stream after the copy to the host and let the input go."""
+        if self.source is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
+            self.source = None
 
     def prefetch(self) -> None:
-        if self.stream is None or self.back is not None:
+        if self.stream is None or self.back is not None or self.source is not None:
             return
+        current = torch.cuda.current_stream(self.device)
+        tensor = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+        self.stream.wait_stream(current)  # the block's earlier users on the compute stream are done
         with torch.cuda.stream(self.stream):
-            tensor = self.host.to(self.device, non_blocking=True)
+            tensor.copy_(self.host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         self.back = (tensor, event)
@@ -53,11 +75,13 @@ class _Slot:
     def load(self) -> torch.Tensor:
         if self.stream is None:
             return self.host.detach()
+        if self.source is not None:  # never left the device (the last layers): no copy back
+            tensor = self.source
+            self.settle()
+            return tensor
         self.prefetch()
         tensor, event = self.back
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(event)
-        tensor.record_stream(current)
+        torch.cuda.current_stream(self.device).wait_event(event)
         self.back = None
         return tensor
 
@@ -80,8 +104,16 @@ class Offloader:
         return self.streams[device]
 
     def push(self, hidden: torch.Tensor) -> _Slot:
+        """Start ``hidden``'s copy to the host, and settle the inputs pushed before it: the compute stream waits
+        for their copies before the next layer (each copy ran beside the layer just launched, which takes
+        longer: Llama-1B at 4 x 2048, 32 MiB in ~0.7 ms against ~2 ms) and lets them go, so one layer input
+        at most waits on the device for its copy, the one of the layer running."""
         slot = _Slot(hidden, self.stream_for(hidden.device))
         self.slots = [ref for ref in self.slots if ref() is not None]
+        for ref in self.slots:
+            earlier = ref()
+            if earlier is not None:
+                earlier.settle()
         self.slots.append(weakref.ref(slot))
         return slot
 
@@ -206,4 +238,28 @@ def offload_checkpointed_layers(model, graphs=None) -> int:
             count += 1
     if count:
         setattr(model, ATTRIBUTE, func)
+        stop_embedding_output_grads(model)
     return count
+
+
+def stop_embedding_output_grads(model) -> int:
+    """Remove the forward hooks that make the input embedding's output require grad; returns how many (one
+    per ``enable_input_require_grads`` call: three for a LoRA model).
+
+    transformers installs them with checkpointing, for reentrant checkpointing (which passes no gradient
+    through a layer whose input needs none). ``OffloadedCheckpoint`` needs no such input: its anchor
+    reaches every layer's backward. Kept, the hook makes the frozen embedding's output a leaf that needs a
+    gradient: the first layer computes a gradient for its input that nothing reads, and the output (32 MiB
+    for Llama-1B at 4 x 2048) and that gradient stay on the device through the step, past the loss
+    (bench/memory_peak.py, bench/RESULTS.md session 28)."""
+    removed = 0
+    for module in model.modules():
+        for key, hook in list(module._forward_hooks.items()):
+            if getattr(hook, "__name__", "") in REQUIRE_GRAD_HOOKS:
+                del module._forward_hooks[key]
+                removed += 1
+        own = module.__dict__  # the handles transformers keeps (PEFT's wrapper forwards reads: its own only)
+        if "_require_grads_hooks" in own:
+            own["_require_grads_hooks"] = []
+        own.pop("_require_grads_hook", None)
+    return removed
