@@ -473,42 +473,47 @@ def print_table(rows: list[dict]) -> None:
 
 def loss_check(root: Path, steps: int, setting: str = "lora+gc") -> dict:
     """Per-step loss of the fast path against the reference path over ``steps`` steps (same data, seed), and
-    against the same fast path with its CUDA graphs off: replays must train as the eager layers do."""
+    against the same fast path with its CUDA graphs off (replays must train as the eager layers do) and, with
+    checkpointing, with the layer inputs kept on the device (``memory.offload_checkpoints: false``: plain
+    checkpointing, no graphs), which tells a fault in the offload from bf16 divergence."""
     method, checkpointing = SETTINGS[setting]
     model = model_dir(root / "models", *SHAPES["llama"], weights=True)
     quiet = {"eval.interval": 10_000}
-    fast = run_ours(root, "loss fast", model, method, steps, checkpointing, ALL_LINEAR, **quiet)
-    eager = run_ours(
-        root,
-        "loss eager",
-        model,
-        method,
-        steps,
-        checkpointing,
-        ALL_LINEAR,
-        **quiet,
-        **{"performance.cuda_graphs": "off"},
-    )
-    ref = run_ours(root, "loss ref", model, method, steps, checkpointing, ALL_LINEAR, fast_path="off")
-    failed = [run.get("error") for run in (fast, eager, ref) if "error" in run]
+    variants = {"fast": {}, "eager": {"performance.cuda_graphs": "off"}}
+    if checkpointing:
+        variants["plain"] = {"memory.offload_checkpoints": False}
+    runs = {
+        name: run_ours(
+            root, f"loss {name}", model, method, steps, checkpointing, ALL_LINEAR, **quiet, **extra
+        )
+        for name, extra in variants.items()
+    }
+    runs["ref"] = run_ours(root, "loss ref", model, method, steps, checkpointing, ALL_LINEAR, fast_path="off")
+    failed = [run.get("error") for run in runs.values() if "error" in run]
     if failed:
         return {"setting": setting, "error": failed[0]}
+    fast, ref = runs["fast"], runs["ref"]
+
+    def max_diff(a: str, b: str) -> float:
+        return round(max(abs(x - y) for x, y in zip(runs[a]["losses"], runs[b]["losses"])), 6)
+
     diffs = [abs(a - b) for a, b in zip(fast["losses"], ref["losses"])]
-    graph_diffs = [abs(a - b) for a, b in zip(fast["losses"], eager["losses"])]
-    return {
+    result = {
         "setting": setting,
         "steps": len(diffs),
         "max_abs_diff": round(max(diffs), 5),
         "mean_abs_diff": round(sum(diffs) / len(diffs), 5),
-        "graphs_vs_eager_max_abs_diff": round(max(graph_diffs), 6),
+        "graphs_vs_eager_max_abs_diff": max_diff("fast", "eager"),
+        "eager_vs_ref_max_abs_diff": max_diff("eager", "ref"),
         "graphs_replayed": fast["graphs_replayed"],
         "first": (fast["losses"][0], ref["losses"][0]),
         "last": (fast["losses"][-1], ref["losses"][-1]),
         "fast_path": fast["fast_path"],
-        "fast_losses": fast["losses"],
-        "eager_losses": eager["losses"],
-        "ref_losses": ref["losses"],
     }
+    if "plain" in runs:
+        result["plain_vs_ref_max_abs_diff"] = max_diff("plain", "ref")
+        result["plain_vs_eager_max_abs_diff"] = max_diff("plain", "eager")
+    return {**result, **{f"{name}_losses": run["losses"] for name, run in runs.items()}}
 
 
 def max_loss_diff(a: dict[int, float], b: dict[int, float], steps: range) -> tuple[int, float | None]:

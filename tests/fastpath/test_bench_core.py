@@ -370,3 +370,30 @@ def test_a_run_of_ours_past_its_timeout_is_a_row_with_the_error(tmp_path, monkey
     assert seen["timeout"] == 5 and seen["command"][-2:] == ["--config", str(tmp_path / "config.yaml")]
     assert got["impl"] == "ours" and got["name"] == "llama lora+gc"
     assert got["error"].startswith("timed out after 5 s") and "step 3 of 20" in got["error"]
+
+
+def test_the_loss_check_compares_graphs_eager_plain_checkpointing_and_the_reference(monkeypatch, tmp_path):
+    """``--loss-steps``: the fast path with graphs, without them, and (checkpointed settings) with the layer
+    inputs kept on the device, each against the reference path: which one parts from it says where a fault is."""
+    losses = {"fast": [3.0, 2.0], "eager": [3.0, 2.01], "plain": [3.0, 2.002], "ref": [3.0, 2.001]}
+    asked = []
+
+    def run_ours(root, name, model, method, steps, gc, targets, **extra):
+        asked.append((name, gc, extra))
+        return {"losses": losses[name.split()[-1]], "graphs_replayed": True, "fast_path": True}
+
+    monkeypatch.setattr(bench, "model_dir", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(bench, "run_ours", run_ours)
+    result = bench.loss_check(tmp_path, 2, "lora+gc")
+    quiet = {"eval.interval": 10_000}
+    assert asked == [
+        ("loss fast", True, quiet),
+        ("loss eager", True, {**quiet, "performance.cuda_graphs": "off"}),
+        ("loss plain", True, {**quiet, "memory.offload_checkpoints": False}),
+        ("loss ref", True, {"fast_path": "off"}),
+    ]
+    assert result["max_abs_diff"] == pytest.approx(0.001) and result["graphs_vs_eager_max_abs_diff"] == 0.01
+    assert result["eager_vs_ref_max_abs_diff"] == 0.009 and result["plain_vs_ref_max_abs_diff"] == 0.001
+    assert result["plain_vs_eager_max_abs_diff"] == 0.008 and result["plain_losses"] == [3.0, 2.002]
+    asked.clear()  # without checkpointing there is nothing to offload: no plain run
+    assert "plain_vs_ref_max_abs_diff" not in bench.loss_check(tmp_path, 2, "lora") and len(asked) == 3
