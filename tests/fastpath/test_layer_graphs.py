@@ -119,6 +119,27 @@ def test_replays_read_each_batch_not_the_captured_one(write_config):
     assert got[2] != got[1] and got[3] != got[2]
 
 
+def gradients_asked_for(monkeypatch) -> list:
+    """Every ``torch.autograd.grad`` call's inputs from now on (the graphs' backward bodies ask through it)."""
+    asked = []
+    grad = torch.autograd.grad
+
+    def spy(outputs, inputs, *args, **kwargs):
+        asked.append(list(inputs))
+        return grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    return asked
+
+
+def assert_views_of_parameters_only(model, asked: list) -> None:
+    """Each call asked for gradients of views of the trainable parameters, never of the parameters."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    for inputs in asked:
+        views = [t for t in inputs if t._base is not None and id(t._base) in trainable]
+        assert views and not any(id(t) in trainable for t in inputs)
+
+
 def test_under_ddp_the_backward_graph_asks_for_gradients_of_views_made_in_it_not_of_the_parameters(
     write_config, monkeypatch
 ):
@@ -130,22 +151,12 @@ def test_under_ddp_the_backward_graph_asks_for_gradients_of_views_made_in_it_not
     graphs = layer_graphs.LayerGraphs(ReplayOnCpu())
     offload.offload_checkpointed_layers(model, graphs)
     monkeypatch.setattr(layer_graphs, "several_processes", lambda: True)
-    asked = []
-    grad = torch.autograd.grad
-
-    def spy(outputs, inputs, *args, **kwargs):
-        asked.append(list(inputs))
-        return grad(outputs, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(torch.autograd, "grad", spy)
+    asked = gradients_asked_for(monkeypatch)
     ids = torch.randint(3, 1024, (2, 24))
     for _ in range(3):
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert graphs.captured == 4 and asked
-    trainable = {id(p): p for p in model.parameters() if p.requires_grad}
-    for inputs in asked:
-        views = [t for t in inputs if t._base is not None and id(t._base) in trainable]
-        assert views and not any(id(t) in trainable for t in inputs)
+    assert_views_of_parameters_only(model, asked)
     layer = next(m for name, m in model.named_modules() if name.endswith("layers.0"))
     assert all(type(p) is torch.nn.Parameter for p in layer.parameters())
 

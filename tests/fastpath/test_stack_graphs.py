@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from tests.fastpath.test_fastpath import ALL_LINEAR, checkpointed_llama, rel_err
-from tests.fastpath.test_layer_graphs import ReplayOnCpu
+from tests.fastpath.test_layer_graphs import (
+    ReplayOnCpu,
+    assert_views_of_parameters_only,
+    gradients_asked_for,
+)
 from trainer.fastpath import decoder_layers, stack_graphs
 from trainer.fastpath.lora_ops import track_updates
 from trainer.fastpath.patch import patch_lora_linears
@@ -107,21 +111,11 @@ def test_under_ddp_the_backward_graphs_ask_for_gradients_of_views_made_in_the_fo
     monkeypatch.setattr(stack_graphs, "several_processes", lambda: True)
     model = llama(write_config)
     graphs = graphed(model)
-    asked = []
-    grad = torch.autograd.grad
-
-    def spy(outputs, inputs, *args, **kwargs):
-        asked.append(list(inputs))
-        return grad(outputs, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(torch.autograd, "grad", spy)
+    asked = gradients_asked_for(monkeypatch)
     for ids in batches(3):
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert graphs.fwd and graphs.off is None and asked
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    for inputs in asked:
-        views = [t for t in inputs if t._base is not None and id(t._base) in trainable]
-        assert views and not any(id(t) in trainable for t in inputs)
+    assert_views_of_parameters_only(model, asked)
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
