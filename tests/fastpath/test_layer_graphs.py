@@ -424,6 +424,29 @@ def test_where_the_graphs_apply_and_what_on_insists_on():
     assert graphs_unavailable("on", cuda, True, 2, checkpointing=True, grads_synced_after_step=True) is None
     with pytest.raises(FastPathUnavailable, match="cuda_graphs: on, but 2 processes"):
         graphs_unavailable("on", cuda, True, 2)
+    # MoE layers run eagerly, checkpointed or not
+    assert "mixture-of-experts" in graphs_unavailable("auto", cuda, False, 1, routed_experts=True)
+    assert "mixture-of-experts" in graphs_unavailable("auto", cuda, True, 1, True, True, routed_experts=True)
+    with pytest.raises(FastPathUnavailable, match="cuda_graphs: on, but mixture-of-experts"):
+        graphs_unavailable("on", cuda, False, 1, routed_experts=True)
+
+
+@pytest.mark.parametrize("model, routed", [("tiny-moe", True), ("tiny-llama", False)])
+def test_loading_tells_the_graphs_whether_the_model_routes_experts(write_config, monkeypatch, model, routed):
+    """The embedded default's tiny MoE reaches ``graphs_unavailable`` as a model with routers."""
+    from tests.helpers import REPO
+    from trainer import fastpath
+    from trainer.config import load_config
+    from trainer.model.loading import load_for_training
+
+    seen = []
+    real = fastpath.graphs_unavailable
+    monkeypatch.setattr(fastpath, "graphs_unavailable", lambda *a: seen.append(a[-1]) or real(*a))
+    cfg = load_config(
+        write_config({"model": {"name_or_path": str(REPO / "configs" / model), "random_init": True}})
+    )
+    load_for_training(cfg, torch.device("cpu"))
+    assert seen == [routed]
 
 
 @pytest.mark.parametrize("model", ["llama", "gla", "mamba"])

@@ -122,6 +122,7 @@ def graphs_unavailable(
     checkpointing: bool = False,
     packing: bool = True,
     grads_synced_after_step: bool = False,
+    routed_experts: bool = False,
 ) -> str | None:
     """Why the decoder layers are not replayed from CUDA graphs (None: they are: the checkpointed ones with
     offloaded inputs through ``layer_graphs``, or without checkpointing all of them through ``stack_graphs``).
@@ -135,7 +136,12 @@ def graphs_unavailable(
     Several processes: a graph adds its gradients straight into ``.grad``, where DDP's gradient hooks never see
     them. Only a run whose gradients are averaged once after the step (``grads_synced_after_step``,
     ``Config.grads_synced_after_step``) replays graphs under DDP (on 2x H200: 1.06-1.25x tokens/s for LoRA,
-    1.64x for QLoRA, bench/RESULTS.md session 28)."""
+    1.64x for QLoRA, bench/RESULTS.md session 28).
+
+    Mixture-of-experts layers (``routed_experts``: the model has routers) run eagerly: which tokens each expert
+    takes changes from batch to batch, transformers' expert loop reads that on the host, and the expert-usage
+    hooks copy the router's picks to the host at every forward; a replay would do neither (the embedded
+    default's tiny MoE failed its capture on an H200, session 29)."""
     if mode == "off":
         return "performance.cuda_graphs: off"
     reason = None
@@ -149,6 +155,11 @@ def graphs_unavailable(
     elif processes > 1 and not grads_synced_after_step:
         reason = f"{processes} processes: DDP's gradient hooks would not see the gradients a graph adds "
         reason += "(they are averaged after the step only with memory.oom_fallback on, LoRA-style, under DDP)"
+    elif routed_experts:
+        reason = (
+            "mixture-of-experts layers route each batch's tokens on the host (and the expert-usage hooks "
+        )
+        reason += "read the router's picks), which a replay cannot repeat"
     elif not checkpointing and not packing:
         reason = "without packing (data.packing: false) rows change width from batch to batch, and a graphed "
         reason += "stack would hold one width's activations beside every other width's"

@@ -23,6 +23,7 @@ from trainer.fastpath import attention as fast_attention
 from trainer.model import chunked_loss, kernel_choice
 from trainer.model.sharded_loading import ShardedLoad
 from trainer.moe_quant import QuantizedExpertWeights, quantize_fused_experts
+from trainer.monitor.experts import find_routers
 
 log = logging.getLogger(__name__)
 
@@ -507,7 +508,7 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
         processes = _processes()
         graphs_off = fastpath.graphs_unavailable(
             cfg.performance.cuda_graphs, device, offload, processes, fast.enabled, checkpointing,
-            cfg.data.packing, cfg.grads_synced_after_step(processes),
+            cfg.data.packing, cfg.grads_synced_after_step(processes), bool(find_routers(model)),
         )  # fmt: skip
         fast_report = fastpath.apply(model, fast, offload=offload, graphs_off=graphs_off)
     else:
