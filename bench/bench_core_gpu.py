@@ -475,7 +475,9 @@ def loss_check(root: Path, steps: int, setting: str = "lora+gc") -> dict:
     """Per-step loss of the fast path against the reference path over ``steps`` steps (same data, seed), and
     against the same fast path with its CUDA graphs off (replays must train as the eager layers do) and, with
     checkpointing, with the layer inputs kept on the device (``memory.offload_checkpoints: false``: plain
-    checkpointing, no graphs), which tells a fault in the offload from bf16 divergence."""
+    checkpointing, no graphs), which tells a fault in the offload from bf16 divergence. QLoRA adds the
+    reference with its norms, embeddings and head kept in bf16 (``quantization.upcast: off``), the fast path's
+    precision: the plain reference upcasts them to fp32 and parts from every fast variant at step 2 (session 29)."""
     method, checkpointing = SETTINGS[setting]
     model = model_dir(root / "models", *SHAPES["llama"], weights=True)
     quiet = {"eval.interval": 10_000}
@@ -489,6 +491,11 @@ def loss_check(root: Path, steps: int, setting: str = "lora+gc") -> dict:
         for name, extra in variants.items()
     }
     runs["ref"] = run_ours(root, "loss ref", model, method, steps, checkpointing, ALL_LINEAR, fast_path="off")
+    if (
+        method == "qlora"
+    ):  # the reference upcasts norms, embeddings and head to fp32; this one keeps them bf16
+        extra = {"fast_path": "off", "quantization.upcast": "off"}
+        runs["ref16"] = run_ours(root, "loss ref16", model, method, steps, checkpointing, ALL_LINEAR, **extra)
     failed = [run.get("error") for run in runs.values() if "error" in run]
     if failed:
         return {"setting": setting, "error": failed[0]}
@@ -510,6 +517,9 @@ def loss_check(root: Path, steps: int, setting: str = "lora+gc") -> dict:
         "last": (fast["losses"][-1], ref["losses"][-1]),
         "fast_path": fast["fast_path"],
     }
+    if "ref16" in runs:
+        result["fast_vs_ref16_max_abs_diff"] = max_diff("fast", "ref16")
+        result["ref16_vs_ref_max_abs_diff"] = max_diff("ref16", "ref")
     if "plain" in runs:
         result["plain_vs_ref_max_abs_diff"] = max_diff("plain", "ref")
         result["plain_vs_eager_max_abs_diff"] = max_diff("plain", "eager")

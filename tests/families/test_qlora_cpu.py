@@ -179,3 +179,48 @@ def test_qlora_keeps_16bit_weights_where_fused_kernels_train():
     assert not keeps_16bit_under_qlora(family_for("mamba2"), mamba2, "mamba_ssm", cpu, off)
     assert not keeps_16bit_under_qlora(family_for("llama"), causal, "transformers", cuda, off)
     assert keeps_16bit_under_qlora(family_for("llama"), causal, "transformers", cuda, on)
+
+
+@pytest.mark.parametrize("upcast, norm_dtype", [("auto", torch.float32), ("off", torch.bfloat16)])
+def test_quantization_upcast_decides_the_16bit_parameters_dtype(write_config, upcast, norm_dtype):
+    """On the reference path (CPU) auto upcasts the norms and head to fp32, as peft's preparation does; off keeps
+    them in the model's bf16, the fast path's precision (a like-for-like reference for its loss checks)."""
+    from trainer.model.loading import load_for_training
+
+    cfg = qlora_config(write_config, quantization={"upcast": upcast})
+    cfg.model.dtype = "bf16"
+    model = load_for_training(cfg, torch.device("cpu")).model
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    head = model.get_output_embeddings()
+    head = getattr(head, "base_layer", head)
+    assert norms and {p.dtype for p in norms} == {norm_dtype}
+    assert head.weight.dtype == norm_dtype
+
+
+def test_qlora_upcast_follows_the_setting_and_auto_the_path(write_config):
+    from trainer.model.loading import qlora_upcast
+
+    def upcast(mode, keeps_16bit):
+        cfg = qlora_config(write_config, quantization={"upcast": mode}, performance={"fast_path": "off"})
+        return qlora_upcast(cfg, keeps_16bit)
+
+    assert upcast("auto", False) and not upcast("auto", True)
+    assert upcast("on", False) and upcast("on", True)
+    assert not upcast("off", False) and not upcast("off", True)
+
+
+@pytest.mark.parametrize(
+    "extra, said",
+    [
+        ({"training": {"distributed": "fsdp"}, "performance": {"fast_path": "off"}}, "FSDP casts"),
+        ({}, "performance.fast_path: off"),  # fast_path auto
+    ],
+)
+def test_quantization_upcast_on_where_it_cannot_run_is_a_one_line_error(write_config, extra, said):
+    extra = {**extra, "training": {"method": "qlora", **extra.get("training", {})}}
+    result = run_trainer(
+        "check-config", "--config", str(write_config({**extra, "quantization": {"upcast": "on"}}))
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if "quantization.upcast: on" in line]
+    assert len(lines) == 1 and said in lines[0], result.stderr[-2000:]

@@ -397,3 +397,8 @@ def test_the_loss_check_compares_graphs_eager_plain_checkpointing_and_the_refere
     assert result["plain_vs_eager_max_abs_diff"] == 0.008 and result["plain_losses"] == [3.0, 2.002]
     asked.clear()  # without checkpointing there is nothing to offload: no plain run
     assert "plain_vs_ref_max_abs_diff" not in bench.loss_check(tmp_path, 2, "lora") and len(asked) == 3
+    asked.clear()  # QLoRA: also the reference in the fast path's precision
+    losses["ref16"] = [3.0, 2.0005]
+    result = bench.loss_check(tmp_path, 2, "qlora+gc")
+    assert asked[-1] == ("loss ref16", True, {"fast_path": "off", "quantization.upcast": "off"})
+    assert result["fast_vs_ref16_max_abs_diff"] == 0.0005 and result["ref16_vs_ref_max_abs_diff"] == 0.0005

@@ -288,6 +288,11 @@ class QuantizationConfig:
     """Modules that stay unquantized, besides the family's own."""
     quantize_experts: Bool = True
     """Fused 3-D MoE expert weights escape bitsandbytes' Linear replacement; quantize them too."""
+    upcast: Literal["auto", "on", "off"] = "auto"
+    """The parameters left in 16 bits (norms, embeddings, head) in fp32, as peft's prepare_model_for_kbit_training
+    does. auto: on the reference paths; the CUDA fast path, GLA's and Mamba's GPU kernels and FSDP keep them
+    16-bit. off: 16-bit everywhere (the reference path then trains in the fast path's precision). on: always;
+    needs performance.fast_path off and DDP."""
 
 
 @dataclass(config=SECTION)
@@ -331,6 +336,26 @@ class Config:
                 "quantization.compute_dtype",
                 "training.mixed_precision",
                 "training.method",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _upcast_where_it_can_run(self) -> Config:
+        """quantization.upcast on: FSDP would cast the fp32 copies back when it gathers them, and the fast
+        path's kernels take the 16-bit weights."""
+        if self.quantization.upcast != "on" or self.training.method != "qlora":
+            return self
+        if self.training.distributed == "fsdp":
+            raise rule(
+                "on: FSDP casts every weight it gathers to bf16; use auto or off",
+                "quantization.upcast",
+                "training.distributed",
+            )
+        if self.performance.fast_path != "off":
+            raise rule(
+                "on upcasts for the reference path; set performance.fast_path: off too, or use auto",
+                "quantization.upcast",
+                "performance.fast_path",
             )
         return self
 

@@ -414,6 +414,12 @@ def family_graphs_unavailable(cfg: Config, family: Family, device, checked: bool
     )  # fmt: skip
 
 
+def qlora_upcast(cfg: Config, keeps_16bit: bool) -> bool:
+    """Whether QLoRA's 16-bit parameters go to fp32: ``quantization.upcast``, auto following the path."""
+    mode = cfg.quantization.upcast
+    return mode == "on" or (mode == "auto" and not keeps_16bit)
+
+
 def keeps_16bit_under_qlora(family: Family, hf_config, kernel_path: str, device, fast) -> bool:
     """Whether QLoRA skips ``prepare_model_for_kbit_training``'s fp32 upcast of every 16-bit parameter.
 
@@ -496,7 +502,9 @@ def _build(cfg: Config, family: Family, hf_config, device, compute, choice):
             model.enable_input_require_grads()
     if cfg.training.method in ("lora", "qlora"):
         # Under FSDP the frozen weights keep the dtype they were loaded in (apply_peft says why).
-        upcast = not (sharded or keeps_16bit_under_qlora(family, hf_config, kernel_path, device, fast))
+        upcast = qlora_upcast(
+            cfg, sharded or keeps_16bit_under_qlora(family, hf_config, kernel_path, device, fast)
+        )
         model = apply_peft(model, cfg, family, upcast_for_kbit=upcast)
     if shards is not None:
         shards.to_meta(model)  # true shapes, no bytes: fully_shard cuts them, the kept chunks fill them
