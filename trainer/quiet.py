@@ -25,6 +25,11 @@ NOISY_LOGS = {
 # transformers 5 deprecates with a FutureWarning on every run; the kit never calls it.
 NOISY_WARNINGS = [
     (r"`is_gradient_checkpointing` is deprecated", FutureWarning, r"transformers\.modeling_utils"),
+    # torch's autograd engine runs a GPU backward on a thread of its own; the first cuBLAS call there finds no
+    # current CUDA context and sets the primary one, which is the context every other call uses anyway. Torch
+    # warns once per process, from whichever module made that call (every GPU start printed it, session 29;
+    # vLLM silences it too, vllm#25596).
+    (r"Attempting to run cuBLAS, but there was no current CUDA context", UserWarning, r""),
 ]
 
 
