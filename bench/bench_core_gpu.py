@@ -491,9 +491,8 @@ def loss_check(root: Path, steps: int, setting: str = "lora+gc") -> dict:
         for name, extra in variants.items()
     }
     runs["ref"] = run_ours(root, "loss ref", model, method, steps, checkpointing, ALL_LINEAR, fast_path="off")
-    if (
-        method == "qlora"
-    ):  # the reference upcasts norms, embeddings and head to fp32; this one keeps them bf16
+    if method == "qlora":
+        # The reference upcasts norms, embeddings and head to fp32; this one keeps them bf16.
         extra = {"fast_path": "off", "quantization.upcast": "off"}
         runs["ref16"] = run_ours(root, "loss ref16", model, method, steps, checkpointing, ALL_LINEAR, **extra)
     failed = [run.get("error") for run in runs.values() if "error" in run]

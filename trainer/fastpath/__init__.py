@@ -156,10 +156,8 @@ def graphs_unavailable(
         reason = f"{processes} processes: DDP's gradient hooks would not see the gradients a graph adds "
         reason += "(they are averaged after the step only with memory.oom_fallback on, LoRA-style, under DDP)"
     elif routed_experts:
-        reason = (
-            "mixture-of-experts layers route each batch's tokens on the host (and the expert-usage hooks "
-        )
-        reason += "read the router's picks), which a replay cannot repeat"
+        reason = "mixture-of-experts layers route each batch's tokens on the host (and the expert-usage "
+        reason += "hooks read the router's picks), which a replay cannot repeat"
     elif not checkpointing and not packing:
         reason = "without packing (data.packing: false) rows change width from batch to batch, and a graphed "
         reason += "stack would hold one width's activations beside every other width's"
