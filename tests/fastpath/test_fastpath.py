@@ -202,6 +202,29 @@ def test_lora_mlp_matches_eager_swiglu():
         assert rel_err(mine, theirs) < 1e-5
 
 
+def test_lora_mlp_backward_writes_the_activations_gradient_over_the_recomputed_activation(monkeypatch):
+    """The MLP's backward holds one (tokens x intermediate) tensor fewer at its peak: dh goes into the
+    recomputed h, which dA of the down projection read last (the lever against the graphs' pool size)."""
+    from trainer.fastpath import lora_ops
+
+    seen = {}
+    swiglu, swiglu_backward = lora_ops._swiglu, lora_ops._swiglu_backward
+
+    def recording_swiglu(e, g):
+        seen.setdefault("h", []).append(out := swiglu(e, g))
+        return out
+
+    def recording_backward(e, g, dh):
+        seen["dh"] = dh
+        return swiglu_backward(e, g, dh)
+
+    monkeypatch.setattr(lora_ops, "_swiglu", recording_swiglu)
+    monkeypatch.setattr(lora_ops, "_swiglu_backward", recording_backward)
+    test_lora_mlp_matches_eager_swiglu()  # and the gradients stay the eager ones
+    forward_h, backward_h = seen["h"][0], seen["h"][1]
+    assert seen["dh"].data_ptr() == backward_h.data_ptr() != forward_h.data_ptr()
+
+
 def test_autograd_functions_pass_gradcheck_in_fp64():
     torch.manual_seed(3)
     w = torch.randn(6, 5, dtype=torch.float64)

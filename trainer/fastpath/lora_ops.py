@@ -175,15 +175,18 @@ def _forward(x2: torch.Tensor, base: BaseWeight, a: torch.Tensor, b: torch.Tenso
     return y, xa
 
 
-def _backward(dy: torch.Tensor, x2, xa, base: BaseWeight, a, b, scale: float, need_dx: bool):
-    """Gradients of one LoRA projection: dx (or None), dA, dB, all in the compute dtype."""
+def _backward(dy: torch.Tensor, x2, xa, base: BaseWeight, a, b, scale: float, need_dx: bool, dx_into=None):
+    """Gradients of one LoRA projection: dx (or None), dA, dB, all in the compute dtype.
+
+    ``dx_into``: a buffer of dx's shape whose contents are not needed any more once dA is computed (``x2``
+    itself, where the caller owns it): dx is written there instead of into a new tensor."""
     dyb = torch.mm(dy, b).mul_(scale)  # N x r
     grad_a = torch.mm(dyb.t(), x2)
     grad_b = torch.mm(dy.t(), xa * scale)
     grad_x = None
     if need_dx:
         w = base.materialize(dy.dtype)
-        grad_x = torch.mm(dy, w)
+        grad_x = torch.mm(dy, w) if dx_into is None else torch.mm(dy, w, out=dx_into)
         grad_x.addmm_(dyb, a)
     return grad_x, grad_a, grad_b
 
@@ -345,7 +348,8 @@ class LoraMLPFunction(torch.autograd.Function):
         down_base = ctx.bases[2]
         dy = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
         h = _swiglu(e, g)  # recomputed: one (tokens x intermediate) tensor not kept between passes
-        dh, grad_da, grad_db = _backward(dy, h, ha_d, down_base, da, db, ctx.scales[2], True)
+        # dh overwrites h, read for the last time by dA: one (tokens x intermediate) tensor fewer at the peak
+        dh, grad_da, grad_db = _backward(dy, h, ha_d, down_base, da, db, ctx.scales[2], True, dx_into=h)
         del h
         de, dg = _swiglu_backward(e, g, dh)
         del dh
