@@ -89,3 +89,53 @@ def test_the_cache_is_handed_back_once_before_the_first_capture(monkeypatch):
     for _ in range(3):
         graphs.capture(lambda: calls.append("body"))
     assert calls == ["empty_cache", "pool", "body", "body", "body"]
+
+
+def test_memory_lent_from_a_pool_is_counted_once(monkeypatch):
+    """``run_in_free_memory`` (the loss in the layer graphs' pool): the allocator counts the lent blocks as
+    allocated while the pool's unseen bytes count them already. The peak before the call is carried and the
+    allocator's restarted after it, so the record holds the largest of both plus the pool, once."""
+    calls = []
+    for name in ("_cuda_beginAllocateCurrentThreadToPool", "_cuda_endAllocateToPool", "_cuda_releasePool"):
+        monkeypatch.setattr(
+            torch._C, name, lambda device, pool, name=name: calls.append((name, pool)), raising=False
+        )
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 5000 * MB)
+    monkeypatch.setattr(CudaGraphs, "live", set())
+    monkeypatch.setattr(CudaGraphs, "carried_peak", 0)
+    allocator = FakeAllocator(monkeypatch)
+    allocator.current = 0
+    monkeypatch.setattr(
+        torch.cuda,
+        "reset_peak_memory_stats",
+        lambda device=None: setattr(allocator, "peak", allocator.current),
+    )
+    graphs = CudaGraphs.__new__(CudaGraphs)
+    graphs.pool, graphs.unseen_bytes = (0, 3), 300 * MB
+    CudaGraphs.live.add(graphs)
+    peak = PeakMemory(torch.device("cuda", 0))
+
+    allocator.peak, allocator.current = 1200 * MB, 1000 * MB  # the forward's replays and the final norm
+
+    def compute():
+        assert calls == [("_cuda_beginAllocateCurrentThreadToPool", (0, 3))]  # allocations routed to the pool
+        allocator.peak = 1450 * MB  # the loss's transients, in the pool's free memory
+        allocator.current = 1032 * MB  # what stays once the lent blocks are freed: the copied-out gradient
+        return (torch.ones(3),)
+
+    (copy,) = graphs.run_in_free_memory(compute)
+    assert torch.equal(copy, torch.ones(3))
+    assert [name for name, _ in calls[1:]] == ["_cuda_endAllocateToPool", "_cuda_releasePool"]
+    allocator.peak = 1100 * MB  # the backward's replays
+    assert peak.read_mb() == 1200 + 300  # not 1450 + 300: the loss's blocks are the pool's
+    allocator.peak = 1000 * MB
+    assert peak.read_mb() == 1000 + 300  # the carried peak belonged to the last record only
+
+
+def test_before_the_first_capture_nothing_is_lent(monkeypatch):
+    graphs = CudaGraphs.__new__(CudaGraphs)
+    graphs.pool = None
+    made = torch.ones(2)
+    (copy,) = graphs.run_in_free_memory(lambda: (made,))
+    assert torch.equal(copy, made) and copy.data_ptr() != made.data_ptr()

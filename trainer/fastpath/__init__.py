@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from trainer.data.dataset import IGNORE
 from trainer.families import ModelLoadError
 from trainer.families import head as model_head
-from trainer.fastpath import selfcheck
+from trainer.fastpath import loss_in_pool, selfcheck
 from trainer.fastpath.layer_graphs import LayerGraphs
 from trainer.fastpath.moe_experts import patch_quantized_experts
 from trainer.fastpath.offload import ATTRIBUTE as OFFLOAD_ATTRIBUTE
@@ -359,11 +359,23 @@ def _liger_flce():
     return liger_fused_linear_cross_entropy
 
 
-def fused_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def fused_loss_of(model):
+    """The run's fused loss: where checkpointed layers replay from CUDA graphs, it computes in their pool's
+    free memory (``loss_in_pool``)."""
+    graphs = layer_graphs_of(model)
+    if not isinstance(graphs, LayerGraphs):
+        return fused_cross_entropy
+    return lambda head, hidden, labels: fused_cross_entropy(head, hidden, labels, lend=graphs.lender())
+
+
+def fused_cross_entropy(
+    head: torch.nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, lend=None
+) -> torch.Tensor:
     """Summed next-token cross-entropy of ``hidden`` (B x T x H) through ``head``, never building the logits.
 
     Runs in the head's own dtype: accelerate hands the forward's outputs back in fp32 under mixed precision,
     and casting the 128k x H head up to match would copy it (a GiB) and run the head in fp32 every step.
+    ``lend``: where a frozen head's loss computes its transient tensors (``CudaGraphs.run_in_free_memory``).
     """
     dtype = head.weight.dtype
     # Each position's target is the next token; a row's last position has none.
@@ -379,9 +391,19 @@ def fused_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, labels: tor
         return hidden.float().sum() * 0.0
     device = hidden.device
     flat = hidden.reshape(-1, hidden.shape[-1])
-    hidden = flat.to(dtype).index_select(0, index.to(device, non_blocking=True))
-    del flat
     labels = targets[index].to(device, non_blocking=True)
+    index = index.to(device, non_blocking=True)
+    if (
+        lend is not None
+        and torch.is_grad_enabled()
+        and hidden.requires_grad
+        and not head.weight.requires_grad
+    ):
+        halves = _flce_halves()
+        return loss_in_pool.FusedLossInPool.apply(flat, head.weight, index, labels, halves, lend,
+                                                  logit_chunk_budget(flat))  # fmt: skip
+    hidden = flat.to(dtype).index_select(0, index)
+    del flat
     return _liger_flce()(
         hidden,
         head.weight,
@@ -390,6 +412,10 @@ def fused_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, labels: tor
         reduction="sum",
         chunk_mem_const=logit_chunk_budget(hidden),
     )
+
+
+def _flce_halves():
+    return loss_in_pool.liger_halves()
 
 
 def logit_chunk_budget(hidden: torch.Tensor) -> int:

@@ -46,6 +46,7 @@ class CudaGraphs:
     shared static tensors, so the pool holds one layer's transient tensors, not one set per layer."""
 
     live: weakref.WeakSet = weakref.WeakSet()  # every pool of this process, for the peak memory it holds
+    carried_peak = 0  # the allocator's peak as it stood before ``run_in_free_memory`` reset it
 
     def __init__(self) -> None:
         self.pool = None
@@ -73,6 +74,43 @@ class CudaGraphs:
         self.pool = None
         self.unseen_bytes = 0
         torch.cuda.empty_cache()
+
+    def run_in_free_memory(self, compute) -> tuple:
+        """``compute()``'s tensors, computed with this thread's allocations in the pool's free memory (what only
+        the replays use), then copied out; plainly, copied, before the first capture.
+
+        Safe because every graph of this pool leaves what it keeps in tensors allocated outside its transient
+        memory (the shared statics, the gradient buffers): between replays nothing lives in the free part, and
+        nothing allocated here outlives the call. The allocator counts the lent blocks as allocated although
+        the pool's size (``unseen_bytes``) counts them already; so the peak before the call is carried and the
+        allocator's peak is restarted after it, where only the copies are new."""
+        route = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
+        if self.pool is None or route is None:
+            return tuple(t.clone() for t in compute())
+        device = torch.cuda.current_device()
+        CudaGraphs.carried_peak = max(CudaGraphs.carried_peak, torch.cuda.max_memory_allocated(device))
+        reserved = torch.cuda.memory_reserved(device)
+        route(device, self.pool)
+        try:
+            results = compute()
+        finally:
+            torch._C._cuda_endAllocateToPool(device, self.pool)
+            torch._C._cuda_releasePool(device, self.pool)
+        copies = tuple(t.clone() for t in results)
+        del results
+        torch.cuda.reset_peak_memory_stats(device)
+        if torch.cuda.memory_reserved(device) != reserved:  # the pool grew to fit: more of it is unseen
+            self.unseen_bytes = _unallocated_pool_bytes(self.pool)
+        return copies
+
+    @classmethod
+    def take_allocated_peak(cls, device) -> int:
+        """The allocator's peak since the last call, a peak ``run_in_free_memory`` carried included; restarts
+        both."""
+        peak = max(torch.cuda.max_memory_allocated(device), cls.carried_peak)
+        torch.cuda.reset_peak_memory_stats(device)
+        cls.carried_peak = 0
+        return peak
 
     @classmethod
     def unseen_bytes_now(cls) -> int:
@@ -175,6 +213,13 @@ class LayerGraphs:
     @property
     def captured(self) -> int:
         return len(self.graphs)
+
+    def lender(self):
+        """Where the loss may put its transient tensors (``loss_in_pool``): the pool's free memory once layers
+        replay, else None."""
+        if self.off is not None or not self.graphs:
+            return None
+        return getattr(self.backend, "run_in_free_memory", None)
 
     def plan(self, run, rest: tuple, kwargs: dict, hidden: torch.Tensor, autocast: dict) -> _LayerCall | None:
         """The call ``run(hidden, *rest, **kwargs)`` of transformers' checkpointing, when it can be graphed."""

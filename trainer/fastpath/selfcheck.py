@@ -1,8 +1,9 @@
 """The causal fast path's kernel self-check: each of its kernels against eager PyTorch before the first step.
 
-The LoRA projection on a 16-bit and on an NF4 base, the SwiGLU block and the fused linear cross-entropy, each
-one tiny forward and backward in the run's compute dtype against eager PyTorch in fp32 (the comparison,
-tolerances and cache: trainer/kernelcheck.py, shared with the GLA and Mamba families' checks).
+The LoRA projection on a 16-bit and on an NF4 base, the SwiGLU block and the fused linear cross-entropy (also as
+it runs beside CUDA-graphed layers), each one tiny forward and backward in the run's compute dtype against
+eager PyTorch in fp32 (the comparison, tolerances and cache: trainer/kernelcheck.py, shared with the GLA and
+Mamba families' checks).
 """
 
 from __future__ import annotations
@@ -94,6 +95,18 @@ def check_fused_cross_entropy(device, dtype, kernel=None) -> float:
     return compare(out, lambda h: fastpath.reference_cross_entropy(ref_head, h, labels), [hidden])
 
 
+def check_fused_cross_entropy_in_pool(device, dtype, kernel=None) -> float:
+    """The loss as it runs beside layers replayed from CUDA graphs (trainer/fastpath/loss_in_pool.py: Liger's
+    two halves under the kit's own node), the pool's lent memory stood in for by copies."""
+    from trainer import fastpath
+    from trainer.fastpath import loss_in_pool
+
+    def lent(head, hidden, labels):
+        return fastpath.fused_cross_entropy(head, hidden, labels, lend=loss_in_pool.copied_out)
+
+    return check_fused_cross_entropy(device, dtype, kernel or lent)
+
+
 def check_grouped_4bit_experts(device, dtype, kernel=None) -> float:
     """4-bit MoE experts packed into one tensor, dequantized in one launch and multiplied by a grouped GEMM
     (trainer/fastpath/moe_experts.py), against each expert dequantized by bitsandbytes and an eager loop."""
@@ -120,6 +133,7 @@ CHECKS: dict[str, Callable] = {
     "lora_linear_nf4": check_lora_linear_nf4,
     "lora_mlp": check_lora_mlp,
     "fused_cross_entropy": check_fused_cross_entropy,
+    "fused_cross_entropy_in_pool": check_fused_cross_entropy_in_pool,
     "grouped_4bit_experts": check_grouped_4bit_experts,
 }
 

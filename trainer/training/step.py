@@ -137,7 +137,7 @@ def kernels_for(model, family) -> StepKernels:
     from trainer import fastpath
 
     if fastpath.enabled(model):
-        return StepKernels("fast-path", HeadLoss(step_inputs(model, family), fastpath.fused_cross_entropy))
+        return StepKernels("fast-path", HeadLoss(step_inputs(model, family), fastpath.fused_loss_of(model)))
     return reference_kernels(model, family)
 
 

@@ -34,8 +34,7 @@ class PeakMemory:
             import psutil
 
             return round(psutil.Process().memory_info().rss / 2**20, 1)
-        peak = (torch.cuda.max_memory_allocated(self.device) + self.unseen_bytes) / 2**20
-        torch.cuda.reset_peak_memory_stats(self.device)
+        peak = (CudaGraphs.take_allocated_peak(self.device) + self.unseen_bytes) / 2**20
         self.unseen_bytes = CudaGraphs.unseen_bytes_now()
         return round(peak, 1)
 

@@ -1,0 +1,101 @@
+"""The fused loss in the layer graphs' pool (trainer/fastpath/loss_in_pool.py), checked on CPU.
+
+Liger's two halves are stood in for by ``tests.cpu_liger.cpu_flce_halves`` (the same contract: the
+loss and the hidden states' gradient in forward, scaled in backward), and the pool's lent memory by
+``ReplayOnCpu.run_in_free_memory``, which writes NaN over everything it lent once the results are copied out,
+as the next replay writes over the pool on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trainer.fastpath as fastpath
+from tests.cpu_liger import cpu_flce_halves, cpu_fused_linear_cross_entropy
+from tests.fastpath.test_layer_graphs import ReplayOnCpu
+from trainer.fastpath import layer_graphs, loss_in_pool
+
+
+@pytest.fixture
+def cpu_liger(monkeypatch):
+    monkeypatch.setattr(fastpath, "_flce_halves", cpu_flce_halves)
+    monkeypatch.setattr(fastpath, "_liger_flce", lambda: cpu_fused_linear_cross_entropy)
+
+
+def batch(dtype=torch.float32):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).to(dtype).requires_grad_(False)
+    hidden = torch.randn(3, 7, 16, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 7))
+    labels[0, :3] = -100
+    labels[2, 4] = -100
+    return head, hidden, labels
+
+
+def loss_and_grad(loss_fn, head, hidden, labels, scale=0.25):
+    hidden.grad = None
+    loss = loss_fn(head, hidden, labels)
+    (loss * scale).backward()  # a scale, as the step's normalisation by all target tokens gives
+    return loss.detach(), hidden.grad.clone()
+
+
+def test_the_lent_loss_is_the_plain_shifted_cross_entropy_and_its_gradient(cpu_liger):
+    """Against cross-entropy over full fp32 logits, and nothing read from lent memory after the call."""
+    head, hidden, labels = batch()
+    backend = ReplayOnCpu()
+    lent = loss_and_grad(
+        lambda h, x, y: fastpath.fused_cross_entropy(h, x, y, lend=backend.run_in_free_memory),
+        head,
+        hidden,
+        labels,
+    )
+    reference = loss_and_grad(fastpath.reference_cross_entropy, head, hidden, labels)
+    assert backend.lent == 1
+    assert torch.allclose(lent[0], reference[0], rtol=1e-6) and torch.allclose(
+        lent[1], reference[1], atol=1e-7
+    )
+    assert lent[1][0, :2].abs().sum() == 0 and lent[1][:, -1].abs().sum() == 0  # no target, no gradient
+
+
+def test_fp32_states_from_accelerate_get_an_fp32_gradient_through_a_bf16_head(cpu_liger):
+    head, hidden, labels = batch()
+    head = head.to(torch.bfloat16)
+    plain = loss_and_grad(fastpath.fused_cross_entropy, head, hidden, labels)
+    lent = loss_and_grad(
+        lambda h, x, y: fastpath.fused_cross_entropy(h, x, y, lend=loss_in_pool.copied_out),
+        head,
+        hidden,
+        labels,
+    )
+    assert lent[1].dtype == torch.float32
+    assert torch.allclose(lent[0], plain[0]) and torch.allclose(lent[1], plain[1], atol=1e-6)
+
+
+def test_lent_memory_only_for_a_frozen_head_in_training(cpu_liger):
+    """A trainable head keeps Liger's own node (its gradient would be a vocabulary-sized copy); so does a
+    forward without gradients (evaluation)."""
+    head, hidden, labels = batch()
+    backend = ReplayOnCpu()
+    head.weight.requires_grad_(True)
+    fastpath.fused_cross_entropy(head, hidden, labels, lend=backend.run_in_free_memory)
+    head.weight.requires_grad_(False)
+    with torch.no_grad():
+        fastpath.fused_cross_entropy(head, hidden, labels, lend=backend.run_in_free_memory)
+    assert backend.lent == 0
+    fastpath.fused_cross_entropy(head, hidden, labels, lend=backend.run_in_free_memory)
+    assert backend.lent == 1
+
+
+def test_the_graphs_lend_their_pool_only_while_layers_replay():
+    backend = ReplayOnCpu()
+    graphs = layer_graphs.LayerGraphs(backend)
+    assert graphs.lender() is None  # nothing captured: no pool yet
+    graphs.graphs[("layer", "forward")] = object()
+    assert graphs.lender() == backend.run_in_free_memory
+    graphs.off = "capturing failed"
+    assert graphs.lender() is None
+
+
+def test_a_model_without_checkpointed_graphs_keeps_the_plain_fused_loss():
+    assert fastpath.fused_loss_of(torch.nn.Linear(2, 2)) is fastpath.fused_cross_entropy
