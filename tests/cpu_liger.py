@@ -1,8 +1,8 @@
 """Liger's fused linear cross-entropy on a CPU, for tests: its Triton kernels do not run here.
 
 ``cpu_fused_linear_cross_entropy`` stands in for Liger's functional entry point (``fastpath._liger_flce``), and
-``cpu_flce_halves`` for its two halves as ``trainer/fastpath/loss_in_pool.py`` calls them
-(``fastpath._flce_halves``). Importing this module changes nothing; ``tests.fast_path_on_cpu`` installs them.
+``cpu_flce_forward`` for its forward as ``trainer/fastpath/frozen_head_loss.py`` calls it
+(``fastpath._flce_forward``). Importing this module changes nothing; ``tests.fast_path_on_cpu`` installs them.
 """
 
 from __future__ import annotations
@@ -37,18 +37,15 @@ def cpu_fused_linear_cross_entropy(hidden, weight, labels, ignore_index, reducti
     return CpuFusedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index)
 
 
-def cpu_flce_halves():
-    """Liger's two halves as ``loss_in_pool`` calls them, on a CPU: the loss and the hidden states' gradient in
-    forward, the gradient scaled in backward."""
+def cpu_flce_forward():
+    """Liger's forward as ``frozen_head_loss`` calls it, on a CPU: the summed loss and the hidden states'
+    gradient."""
 
-    def forward_half(hidden, weight, labels, chunk_mem_const):
+    def forward(hidden, weight, labels, chunk_mem_const):
         with torch.enable_grad():
             h = hidden.detach().requires_grad_(True)
             loss = F.cross_entropy((h @ weight.t()).float(), labels, ignore_index=-100, reduction="sum")
             (grad,) = torch.autograd.grad(loss, [h])
         return loss.detach(), grad
 
-    def backward_half(grad_loss, grad_hidden):
-        return (grad_hidden.float() * grad_loss).to(grad_hidden.dtype)
-
-    return forward_half, backward_half
+    return forward

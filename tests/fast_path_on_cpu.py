@@ -3,7 +3,7 @@ fast path's own autograd nodes (fused LoRA projections, Q/K/V groups, SwiGLU blo
 
 Their maths runs on a CPU; Liger's Triton kernels do not, so here Liger's model patch is off, the self-check is
 skipped (the fast path's tests check each kernel), and the fused loss runs ``CpuFusedLinearCrossEntropy`` (and
-``cpu_flce_halves`` where it computes in the graphs' pool, ``loss_in_pool``): Liger's
+``cpu_flce_forward`` under the kit's own node for a frozen head, ``frozen_head_loss``): Liger's
 contract on a CPU (the gradients of the hidden states and the head computed in forward, handed back in backward),
 so the head's weight gets its gradient from outside the head's own forward, as on the GPU. This is how tests
 run the fast path under FSDP2 on gloo processes (tests/training/test_fsdp.py).
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from tests.cpu_liger import cpu_flce_halves, cpu_fused_linear_cross_entropy
+from tests.cpu_liger import cpu_flce_forward, cpu_fused_linear_cross_entropy
 from trainer import fastpath
 from trainer.cli import main
 
@@ -27,7 +27,7 @@ fastpath.unavailable_reason = lambda device: None
 fastpath.selfcheck.run = lambda *args, **kwargs: ()
 fastpath._apply_liger = lambda *args, **kwargs: False
 fastpath._liger_flce = lambda: cpu_fused_linear_cross_entropy
-fastpath._flce_halves = cpu_flce_halves
+fastpath._flce_forward = cpu_flce_forward
 if os.environ.get("KIT_TEST_CPU_GRAPHS") == "1":
     from tests.fastpath.test_layer_graphs import ReplayOnCpu
     from trainer.fastpath import layer_graphs, stack_graphs

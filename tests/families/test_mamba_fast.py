@@ -138,7 +138,7 @@ def test_family_fast_path_off_and_qlora_checks(tmp_path, monkeypatch):
     )
     assert not off.enabled and off.reason == "performance.fast_path: off" and off.checks == _choice().checks
     assert set(fastpath.family_checks("qlora")) == {"fused_cross_entropy", "lora_linear", "lora_linear_nf4"}
-    assert set(fastpath.family_checks("full")) == {"fused_cross_entropy"}
+    assert set(fastpath.family_checks("full")) == {"fused_cross_entropy_trainable_head"}  # Liger's own node
 
 
 def test_apply_to_family_fuses_lora_and_loss_and_calls_the_familys_swap(tmp_path):

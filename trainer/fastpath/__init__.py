@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from trainer.data.dataset import IGNORE
 from trainer.families import ModelLoadError
 from trainer.families import head as model_head
-from trainer.fastpath import loss_in_pool, selfcheck
+from trainer.fastpath import frozen_head_loss, selfcheck
 from trainer.fastpath.layer_graphs import LayerGraphs
 from trainer.fastpath.moe_experts import patch_quantized_experts
 from trainer.fastpath.offload import ATTRIBUTE as OFFLOAD_ATTRIBUTE
@@ -281,7 +281,7 @@ def family_checks(method: str, extra: dict | None = None) -> dict:
     """The shipped checks a GLA or Mamba run's fast path needs (its LoRA projections, on a 4-bit base for
     QLoRA, and its loss), plus the family's own fast-path checks (``extra``). The family's sequence-mixing
     kernels have their own check (trainer/model/kernel_choice.py)."""
-    names = ["fused_cross_entropy"]
+    names = ["fused_cross_entropy"] if method != "full" else ["fused_cross_entropy_trainable_head"]
     if method in ("lora", "qlora"):
         names.append("lora_linear")
     if method == "qlora":
@@ -360,8 +360,8 @@ def _liger_flce():
 
 
 def fused_loss_of(model):
-    """The run's fused loss: where checkpointed layers replay from CUDA graphs, it computes in their pool's
-    free memory (``loss_in_pool``)."""
+    """The run's fused loss: where checkpointed layers replay from CUDA graphs, a frozen head's computes in
+    their pool's free memory (``frozen_head_loss``)."""
     graphs = layer_graphs_of(model)
     if not isinstance(graphs, LayerGraphs):
         return fused_cross_entropy
@@ -375,7 +375,9 @@ def fused_cross_entropy(
 
     Runs in the head's own dtype: accelerate hands the forward's outputs back in fp32 under mixed precision,
     and casting the 128k x H head up to match would copy it (a GiB) and run the head in fp32 every step.
-    ``lend``: where a frozen head's loss computes its transient tensors (``CudaGraphs.run_in_free_memory``).
+    A frozen head's loss (LoRA, QLoRA) runs the kit's own node over Liger's forward (``frozen_head_loss``: no
+    host sync in its backward), computing its transient tensors inside ``lend`` where given
+    (``CudaGraphs.run_in_free_memory``); a trainable head's runs Liger's own node.
     """
     dtype = head.weight.dtype
     # Each position's target is the next token; a row's last position has none.
@@ -393,15 +395,11 @@ def fused_cross_entropy(
     flat = hidden.reshape(-1, hidden.shape[-1])
     labels = targets[index].to(device, non_blocking=True)
     index = index.to(device, non_blocking=True)
-    if (
-        lend is not None
-        and torch.is_grad_enabled()
-        and hidden.requires_grad
-        and not head.weight.requires_grad
-    ):
-        halves = _flce_halves()
-        return loss_in_pool.FusedLossInPool.apply(flat, head.weight, index, labels, halves, lend,
-                                                  logit_chunk_budget(flat))  # fmt: skip
+    if torch.is_grad_enabled() and hidden.requires_grad and not head.weight.requires_grad:
+        lend = lend or frozen_head_loss.here
+        return frozen_head_loss.FrozenHeadLoss.apply(
+            flat, head.weight, index, labels, _flce_forward(), lend, logit_chunk_budget(flat)
+        )
     hidden = flat.to(dtype).index_select(0, index)
     del flat
     return _liger_flce()(
@@ -414,8 +412,8 @@ def fused_cross_entropy(
     )
 
 
-def _flce_halves():
-    return loss_in_pool.liger_halves()
+def _flce_forward():
+    return frozen_head_loss.liger_forward()
 
 
 def logit_chunk_budget(hidden: torch.Tensor) -> int:

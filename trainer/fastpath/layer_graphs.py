@@ -215,7 +215,7 @@ class LayerGraphs:
         return len(self.graphs)
 
     def lender(self):
-        """Where the loss may put its transient tensors (``loss_in_pool``): the pool's free memory once layers
+        """Where the loss may put its transient tensors (``frozen_head_loss``): the pool's free memory once layers
         replay, else None."""
         if self.off is not None or not self.graphs:
             return None

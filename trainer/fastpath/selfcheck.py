@@ -1,7 +1,7 @@
 """The causal fast path's kernel self-check: each of its kernels against eager PyTorch before the first step.
 
-The LoRA projection on a 16-bit and on an NF4 base, the SwiGLU block and the fused linear cross-entropy (also as
-it runs beside CUDA-graphed layers), each one tiny forward and backward in the run's compute dtype against
+The LoRA projection on a 16-bit and on an NF4 base, the SwiGLU block and the fused linear cross-entropy (a frozen
+head's, also as it runs beside CUDA-graphed layers, and a trainable one's), each one tiny forward and backward in the run's compute dtype against
 eager PyTorch in fp32 (the comparison, tolerances and cache: trainer/kernelcheck.py, shared with the GLA and
 Mamba families' checks).
 """
@@ -95,16 +95,35 @@ def check_fused_cross_entropy(device, dtype, kernel=None) -> float:
     return compare(out, lambda h: fastpath.reference_cross_entropy(ref_head, h, labels), [hidden])
 
 
-def check_fused_cross_entropy_in_pool(device, dtype, kernel=None) -> float:
-    """The loss as it runs beside layers replayed from CUDA graphs (trainer/fastpath/loss_in_pool.py: Liger's
-    two halves under the kit's own node), the pool's lent memory stood in for by copies."""
+def check_fused_cross_entropy_lent(device, dtype, kernel=None) -> float:
+    """The loss as it runs beside layers replayed from CUDA graphs (trainer/fastpath/frozen_head_loss.py, its
+    results copied out of lent memory), the pool stood in for by copies."""
     from trainer import fastpath
-    from trainer.fastpath import loss_in_pool
+    from trainer.fastpath import frozen_head_loss
 
     def lent(head, hidden, labels):
-        return fastpath.fused_cross_entropy(head, hidden, labels, lend=loss_in_pool.copied_out)
+        return fastpath.fused_cross_entropy(head, hidden, labels, lend=frozen_head_loss.copied_out)
 
     return check_fused_cross_entropy(device, dtype, kernel or lent)
+
+
+def check_fused_cross_entropy_trainable_head(device, dtype, kernel=None) -> float:
+    """Full fine-tuning's loss: Liger's own node, which also hands back the head's gradient."""
+    from trainer import fastpath
+
+    kernel = kernel or fastpath.fused_cross_entropy
+    hidden, weight = random_leaves((2, 24, 64), (500, 64), device=device, dtype=dtype, scale=1.0)
+    head = torch.nn.Linear(64, 500, bias=False, device=device).to(dtype)
+    head.weight = torch.nn.Parameter(weight)
+    labels = torch.randint(0, 500, (2, 24), device=device)
+    labels[1, 3:9] = -100
+    out = kernel(head, hidden, labels)
+
+    def reference(h, w):
+        logits = (h[:, :-1] @ w.t()).float().reshape(-1, w.shape[0])
+        return F.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+
+    return compare(out, reference, [hidden, head.weight])
 
 
 def check_grouped_4bit_experts(device, dtype, kernel=None) -> float:
@@ -133,7 +152,8 @@ CHECKS: dict[str, Callable] = {
     "lora_linear_nf4": check_lora_linear_nf4,
     "lora_mlp": check_lora_mlp,
     "fused_cross_entropy": check_fused_cross_entropy,
-    "fused_cross_entropy_in_pool": check_fused_cross_entropy_in_pool,
+    "fused_cross_entropy_lent": check_fused_cross_entropy_lent,
+    "fused_cross_entropy_trainable_head": check_fused_cross_entropy_trainable_head,
     "grouped_4bit_experts": check_grouped_4bit_experts,
 }
 

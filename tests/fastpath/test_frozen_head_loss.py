@@ -1,7 +1,7 @@
-"""The fused loss in the layer graphs' pool (trainer/fastpath/loss_in_pool.py), checked on CPU.
+"""A frozen head's fused loss (trainer/fastpath/frozen_head_loss.py), checked on CPU.
 
-Liger's two halves are stood in for by ``tests.cpu_liger.cpu_flce_halves`` (the same contract: the
-loss and the hidden states' gradient in forward, scaled in backward), and the pool's lent memory by
+Liger's forward is stood in for by ``tests.cpu_liger.cpu_flce_forward`` (the same contract: the loss and the
+hidden states' gradient), and the pool's lent memory by
 ``ReplayOnCpu.run_in_free_memory``, which writes NaN over everything it lent once the results are copied out,
 as the next replay writes over the pool on a GPU.
 """
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import trainer.fastpath as fastpath
-from tests.cpu_liger import cpu_flce_halves, cpu_fused_linear_cross_entropy
+from tests.cpu_liger import cpu_flce_forward, cpu_fused_linear_cross_entropy
 from tests.fastpath.test_layer_graphs import ReplayOnCpu
-from trainer.fastpath import layer_graphs, loss_in_pool
+from trainer.fastpath import frozen_head_loss, layer_graphs
 
 
 @pytest.fixture
 def cpu_liger(monkeypatch):
-    monkeypatch.setattr(fastpath, "_flce_halves", cpu_flce_halves)
+    monkeypatch.setattr(fastpath, "_flce_forward", cpu_flce_forward)
     monkeypatch.setattr(fastpath, "_liger_flce", lambda: cpu_fused_linear_cross_entropy)
 
 
@@ -63,7 +63,7 @@ def test_fp32_states_from_accelerate_get_an_fp32_gradient_through_a_bf16_head(cp
     head = head.to(torch.bfloat16)
     plain = loss_and_grad(fastpath.fused_cross_entropy, head, hidden, labels)
     lent = loss_and_grad(
-        lambda h, x, y: fastpath.fused_cross_entropy(h, x, y, lend=loss_in_pool.copied_out),
+        lambda h, x, y: fastpath.fused_cross_entropy(h, x, y, lend=frozen_head_loss.copied_out),
         head,
         hidden,
         labels,
@@ -99,3 +99,46 @@ def test_the_graphs_lend_their_pool_only_while_layers_replay():
 
 def test_a_model_without_checkpointed_graphs_keeps_the_plain_fused_loss():
     assert fastpath.fused_loss_of(torch.nn.Linear(2, 2)) is fastpath.fused_cross_entropy
+
+
+def test_a_frozen_heads_loss_takes_the_kits_node_without_lent_memory_too(cpu_liger, monkeypatch):
+    """No graphs: the kit's node all the same (its backward scales on the device), the same loss and gradient
+    as Liger's own node (stood in for by ``cpu_fused_linear_cross_entropy``)."""
+    head, hidden, labels = batch()
+    ours = loss_and_grad(fastpath.fused_cross_entropy, head, hidden, labels)
+    assert "FrozenHeadLoss" in type(fastpath.fused_cross_entropy(head, hidden, labels).grad_fn).__name__
+    monkeypatch.setattr(
+        frozen_head_loss.FrozenHeadLoss, "apply", None
+    )  # a call would fail: Liger's node only
+    head.weight.requires_grad_(True)
+    liger = loss_and_grad(fastpath.fused_cross_entropy, head, hidden, labels)
+    assert torch.allclose(ours[0], liger[0]) and torch.allclose(ours[1], liger[1], atol=1e-7)
+
+
+def test_the_backward_never_asks_the_host_for_the_scale(cpu_liger, monkeypatch):
+    """Liger's backward compares the scale with 1.0 on the host (``torch.equal``: a device sync on a GPU); the
+    kit's multiplies on the device whatever it is, 1.0 included."""
+    head, hidden, labels = batch()
+    asked = []
+    monkeypatch.setattr(torch, "equal", lambda *args: asked.append(args) or True)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: asked.append(self) or 0.0)
+    for scale in (1.0, 0.25):
+        loss_and_grad(fastpath.fused_cross_entropy, head, hidden, labels, scale=scale)
+    assert asked == []
+
+
+def test_the_self_check_covers_the_lent_node_and_a_trainable_head(cpu_liger):
+    """Both loss checks pass the shipped paths (Liger stood in for) and catch a wrong one."""
+    from trainer.fastpath import selfcheck
+
+    device = torch.device("cpu")
+    assert selfcheck.check_fused_cross_entropy_lent(device, torch.float32) < 1e-5
+    assert selfcheck.check_fused_cross_entropy_trainable_head(device, torch.float32) < 1e-5
+
+    def scaled_by_mistake(head, hidden, labels):
+        return 1.1 * fastpath.fused_cross_entropy(head, hidden, labels)
+
+    wrong = selfcheck.check_fused_cross_entropy_trainable_head(
+        device, torch.float32, kernel=scaled_by_mistake
+    )
+    assert wrong > 0.05
