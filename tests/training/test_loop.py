@@ -85,8 +85,16 @@ def test_schedulers_with_warmup(name, warmup, expect):
 
 
 @pytest.mark.slow
-def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path):
-    """A NaN loss at step 3 must not update the weights; the record carries null plus a flag."""
+@pytest.mark.parametrize("on_device", [False, True])
+def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path, monkeypatch, on_device):
+    """A NaN loss at step 3 must not update the weights; the record carries null plus a flag. Also where the
+    fused AdamW (CUDA's, forced here on the CPU) skips the step on the device before the host reads the loss."""
+    if on_device:
+        from trainer.training import optim
+
+        build = optim._build
+        monkeypatch.setattr(optim, "_build", lambda groups, kwargs, name, on_cuda, fused: build(
+            groups, kwargs, name, on_cuda, True))  # fmt: skip
     cfg = load_config(write_config({"training": {"max_steps": 5, "save_steps": 100}}))
     calls = {"n": 0}
 
@@ -109,6 +117,7 @@ def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path):
     skipped = [e for e in iter_records(run / "logs" / runfolder.EVENTS_LOG) if e["event"] == "step_skipped"]
     assert [(e["step"], e["reason"]) for e in skipped] == [(3, "nonfinite_loss")]
     assert "NaN" not in (run / "logs" / runfolder.TRAINING_LOG).read_text()
+    assert not any(r.get("skipped") for r in records if r["step"] != 3)
 
 
 @pytest.mark.slow

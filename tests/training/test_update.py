@@ -1,0 +1,120 @@
+"""The update of one step (trainer/training/loop.py ``update``): clip, skip a non-finite step, step.
+
+PyTorch's fused AdamW skips a step by itself when handed a ``found_inf`` tensor, so there the kit queues the
+update before the host reads the loss and gradient norm (its one sync a step), and the GPU is not idle while
+the host steps the optimizer. The CPU has the fused AdamW too: the same decision, weights and optimizer state
+as the host's decision, and the sync after the step, are checked here.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from tests.helpers import REPO
+from trainer.config import load_config
+from trainer.training import loop
+
+
+class Accelerator:
+    """What ``update`` asks of accelerate, on one process."""
+
+    def reduce(self, tensor, reduction):
+        return tensor
+
+    def clip_grad_norm_(self, params, max_norm):
+        return torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+
+
+def config(*overrides):
+    return load_config(REPO / "training_config.yaml", list(overrides))
+
+
+def model_and_optimizer(fused: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True if fused else None)
+
+
+def one_step(model, optimizer, cfg, poison: str | None = None, order=None):
+    x = torch.randn(5, 4)
+    loss_sum = model(x).pow(2).sum()
+    if poison == "loss":
+        loss_sum = loss_sum * float("nan")
+    loss_sum.backward()
+    if poison == "grad":
+        model.weight.grad[0, 0] = float("inf")
+    result = types.SimpleNamespace(loss_sum=loss_sum.detach(), targets=torch.tensor(5.0))
+    if order is not None:
+        step, read = optimizer.step, loop.read_figures
+        optimizer.step = lambda *a, **k: order.append("step") or step(*a, **k)
+        loop.read_figures = lambda *a: order.append("read") or read(*a)
+    try:
+        return loop.update(Accelerator(), model, optimizer, result, cfg)
+    finally:
+        if order is not None:
+            loop.read_figures = read
+        optimizer.zero_grad(set_to_none=True)
+
+
+def state_of(model, optimizer):
+    kept = [p.detach().clone() for p in model.parameters()]
+    for state in optimizer.state.values():
+        kept += [v.detach().clone() for v in state.values()]
+    return kept
+
+
+@pytest.mark.parametrize("poison,reason", [("loss", "nonfinite_loss"), ("grad", "nonfinite_grad_norm")])
+def test_a_nonfinite_step_is_skipped_on_the_device_as_the_host_skips_it(poison, reason):
+    cfg = config()
+    model, optimizer = model_and_optimizer(fused=True)
+    assert loop.skips_on_device(optimizer, cfg) is optimizer
+    one_step(model, optimizer, cfg)
+    before = state_of(model, optimizer)
+    loss, grad_norm, skipped = one_step(model, optimizer, cfg, poison=poison)
+    assert skipped == reason and not hasattr(optimizer, "found_inf")
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, state_of(model, optimizer))
+    )  # weights, moments, step
+    _, _, skipped = one_step(model, optimizer, cfg)
+    assert skipped is None and not torch.equal(before[0], model.weight)  # and the next step updates
+
+
+def test_the_device_decision_trains_the_weights_of_the_host_decision():
+    """Three steps, the second non-finite: fused AdamW skipping on the device against the multi-tensor AdamW
+    whose step the host leaves out."""
+    cfg = config()
+    runs = []
+    for fused in (True, False):
+        model, optimizer = model_and_optimizer(fused)
+        figures = [one_step(model, optimizer, cfg, poison=p) for p in (None, "loss", None)]
+        runs.append(([f[2] for f in figures], [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0] == [None, "nonfinite_loss", None]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_the_host_reads_the_figures_after_the_update_is_queued():
+    cfg = config()
+    order = []
+    model, optimizer = model_and_optimizer(fused=True)
+    one_step(model, optimizer, cfg, order=order)
+    assert order == ["step", "read"]
+    order.clear()
+    model, optimizer = model_and_optimizer(fused=False)  # the host decides first
+    one_step(model, optimizer, cfg, order=order)
+    assert order == ["read", "step"]
+
+
+@pytest.mark.parametrize("overrides", [["training.mixed_precision=fp16"], ["training.distributed=fsdp"]])
+def test_fp16_and_fsdp_keep_the_hosts_decision(overrides):
+    _, optimizer = model_and_optimizer(fused=True)
+    wrapped = types.SimpleNamespace(optimizer=optimizer)  # accelerate's wrapper holds the torch optimizer
+    assert loop.skips_on_device(wrapped, config()) is optimizer
+    cfg = (
+        config(*overrides)
+        if "fp16" not in overrides[0]
+        else types.SimpleNamespace(training=types.SimpleNamespace(mixed_precision="fp16", distributed="ddp"))
+    )
+    assert loop.skips_on_device(wrapped, cfg) is None
