@@ -1,9 +1,9 @@
 """The causal fast path's kernel self-check: each of its kernels against eager PyTorch before the first step.
 
-The LoRA projection on a 16-bit and on an NF4 base, the SwiGLU block and the fused linear cross-entropy (a frozen
-head's, also as it runs beside CUDA-graphed layers, and a trainable one's), each one tiny forward and backward in the run's compute dtype against
-eager PyTorch in fp32 (the comparison, tolerances and cache: trainer/kernelcheck.py, shared with the GLA and
-Mamba families' checks).
+The LoRA projection on a 16-bit and on an NF4 base, the SwiGLU block and the fused linear cross-entropy (a
+frozen head's, also as it runs beside CUDA-graphed layers, and a trainable one's): each one tiny forward and
+backward in the run's compute dtype against eager PyTorch in fp32 (the comparison, tolerances and cache:
+trainer/kernelcheck.py, shared with the GLA and Mamba families' checks).
 """
 
 from __future__ import annotations
