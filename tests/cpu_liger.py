@@ -49,3 +49,13 @@ def cpu_flce_forward():
         return loss.detach(), grad
 
     return forward
+
+
+def cpu_rows_kernel(logits, labels, losses):
+    """Liger's cross-entropy kernel as ``frozen_head_loss.liger_rows_kernel`` launches it, on a CPU: each row's
+    loss into ``losses`` and its logits' gradient (softmax minus the one-hot target) over ``logits``."""
+    x = logits.float()
+    losses.copy_(x.logsumexp(-1) - x.gather(1, labels[:, None]).squeeze(1))
+    grad = x.softmax(-1)
+    grad[torch.arange(len(labels)), labels] -= 1.0
+    logits.copy_(grad.to(logits.dtype))

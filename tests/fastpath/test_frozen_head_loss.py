@@ -142,3 +142,60 @@ def test_the_self_check_covers_the_lent_node_and_a_trainable_head(cpu_liger):
         device, torch.float32, kernel=scaled_by_mistake
     )
     assert wrong > 0.05
+
+
+def test_the_chunk_loop_is_the_fp32_loss_and_gradient_over_uneven_chunks():
+    """The kit's loop over Liger's kernel (stood in for by ``cpu_rows_kernel``): Liger's chunk sizes, the last
+    chunk short, the same summed loss and hidden states' gradient as eager fp32 cross-entropy."""
+    from tests.cpu_liger import cpu_rows_kernel
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(37, 16), torch.randn(50, 16)
+    labels = torch.randint(0, 50, (37,))
+    seen = []
+
+    def counting(logits, rows_labels, losses):
+        seen.append(len(rows_labels))
+        cpu_rows_kernel(logits, rows_labels, losses)
+
+    loss, grad = frozen_head_loss.chunked_forward(counting)(hidden, weight, labels, chunk_mem_const=1)
+    assert seen == [16, 16, 5]  # 50 / 16 -> 4 chunks' worth, rounded to 16 rows as Liger does
+    h = hidden.clone().requires_grad_(True)
+    expected = torch.nn.functional.cross_entropy(h @ weight.t(), labels, reduction="sum")
+    expected.backward()
+    assert torch.allclose(loss, expected, rtol=1e-6) and torch.allclose(grad, h.grad, atol=1e-6)
+    _, whole = frozen_head_loss.chunked_forward(cpu_rows_kernel)(hidden, weight, labels, chunk_mem_const=64)
+    assert torch.allclose(whole, grad, atol=1e-6)  # one chunk when the budget allows
+
+
+def test_the_chunk_loop_never_asks_the_host_how_many_targets(monkeypatch):
+    """Liger's own forward reads the count of targets with ``.item()``, a device sync mid-step on a GPU; the
+    kit's loop, under the frozen head's node and in lent memory, asks the host nothing."""
+    from tests.cpu_liger import cpu_rows_kernel
+
+    monkeypatch.setattr(fastpath, "_flce_forward", lambda: frozen_head_loss.chunked_forward(cpu_rows_kernel))
+    head, hidden, labels = batch()
+    reference = loss_and_grad(fastpath.reference_cross_entropy, head, hidden, labels)
+    asked = []
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: asked.append(self) or 0.0)
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: asked.append(self) or [])
+    backend = ReplayOnCpu()
+    lent = loss_and_grad(
+        lambda h, x, y: fastpath.fused_cross_entropy(h, x, y, lend=backend.run_in_free_memory),
+        head,
+        hidden,
+        labels,
+    )
+    assert asked == [] and backend.lent == 1
+    assert torch.allclose(lent[0], reference[0], rtol=1e-6) and torch.allclose(
+        lent[1], reference[1], atol=1e-7
+    )
+
+
+def test_the_chunk_loop_only_where_its_logits_are_autocasts():
+    """``torch.mm(out=)`` escapes autocast: the loop runs where the inputs' dtype is what autocast would give,
+    and Liger's own forward elsewhere (an fp32 head under bf16 autocast)."""
+    bf16, fp32 = torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2, 2)
+    assert frozen_head_loss.same_logits_dtype(bf16, bf16) and frozen_head_loss.same_logits_dtype(fp32, fp32)
+    assert not frozen_head_loss.same_logits_dtype(bf16, fp32)
+    assert not frozen_head_loss.same_logits_dtype(bf16.long(), bf16.long())

@@ -121,6 +121,32 @@ def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path, mo
 
 
 @pytest.mark.slow
+def test_the_next_steps_batches_are_built_before_the_hosts_sync(write_config, monkeypatch):
+    """With an optimizer that skips on the device (fused AdamW, forced on the CPU), each step's batches are built
+    while the previous step's update is still queued, before the host reads its figures; every step takes the
+    batches built for it, so none is built twice, and the last step builds none for a step that never comes."""
+    from trainer.training import loop, optim
+    from trainer.training.step import Step
+
+    build = optim._build
+    monkeypatch.setattr(optim, "_build", lambda groups, kwargs, name, on_cuda, fused: build(
+        groups, kwargs, name, on_cuda, True))  # fmt: skip
+    order, taken = [], []
+    batches, call, read = Step.batches, Step.__call__, loop.read_figures
+    monkeypatch.setattr(Step, "batches", lambda self, rows, shape: order.append(("build", rows)) or batches(
+        self, rows, shape))  # fmt: skip
+    monkeypatch.setattr(Step, "__call__", lambda self, rows, shape: taken.append(
+        self.prefetched is not None and self.prefetched[0] == rows) or call(self, rows, shape))  # fmt: skip
+    monkeypatch.setattr(loop, "read_figures", lambda *a: order.append(("read",)) or read(*a))
+    cfg = load_config(write_config({"training": {"max_steps": 4, "save_steps": 100}}))
+    assert train(cfg) == 0
+    assert [o[0] for o in order] == ["build", "build", "read", "build", "read", "build", "read", "read"]
+    assert taken == [False, True, True, True]  # steps 2-4 took what was built during the step before
+    built = [o[1] for o in order if o[0] == "build"]
+    assert len({tuple(rows) for rows in built}) == 4  # four steps, four different sets of rows
+
+
+@pytest.mark.slow
 def test_fatal_error_is_logged_then_raised(write_config, tmp_path):
     cfg = load_config(write_config({"training": {"max_steps": 5, "save_steps": 100}}))
     calls = {"n": 0}

@@ -95,3 +95,19 @@ def test_a_different_process_count_is_warned_about_once(monkeypatch, capsys):
         "WARNING: checkpoint-4 was saved by 4 processes and resumes on 1 (FSDP: the optimizer state is resharded "
         "onto the new count)" + tail,
     ]
+
+
+def test_a_cuda_run_builds_the_fused_adamw_while_its_model_is_still_on_the_host():
+    """A model that is not quantized loads on the host, and accelerate moves it to the GPU after the optimizer is
+    built: AdamW is fused all the same (the multi-tensor path reads each step count on the host, and cannot skip
+    a step on the device). FSDP keeps the parameters' own placement; the CPU keeps the multi-tensor path."""
+    from tests.helpers import REPO
+    from trainer.config import load_config
+    from trainer.training.optim import fused_on, make_optimizer
+
+    model = torch.nn.Linear(4, 3)  # on the host, as loaded
+    cfg = load_config(REPO / "training_config.yaml")
+    assert make_optimizer(model, cfg, on_cuda=True).defaults["fused"] is True
+    assert not make_optimizer(model, cfg, on_cuda=False).defaults["fused"]
+    fsdp = load_config(REPO / "training_config.yaml", ["training.distributed=fsdp"])
+    assert not fused_on(list(model.parameters()), fsdp, on_cuda=True)

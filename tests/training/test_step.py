@@ -145,3 +145,43 @@ def test_the_head_loss_gets_the_heads_own_input_not_the_fp32_copy_of_the_output(
     assert torch.equal(ce_sum, expected)
     ce_sum.backward()
     assert model.embed.weight.grad is not None  # the gradient reaches the model through the head's input
+
+
+def test_a_prefetched_step_trains_as_one_built_on_the_spot():
+    """``Step.prefetch`` builds the next step's batches while the GPU works; the call with the same rows and shape
+    takes them (the same gradients as building them then), any other call builds its own."""
+    from trainer.training.step import Step
+
+    data = [Sequence([i, i + 1, i + 2, i + 3], [i, i + 1, i + 2, i + 3], [0, 1, 2, 3]) for i in range(8)]
+    counter = SimpleNamespace(start_micro_batch=lambda mask: None)
+    family = SimpleNamespace(model_inputs=lambda batch: {"input_ids": batch["input_ids"]})
+    accelerator = CountingAccelerator("one")
+    accelerator.num_processes = 1
+    grads = []
+    for prefetch in (False, True):
+        torch.manual_seed(0)
+        model = TinyLM()
+        step = Step(model, accelerator, reference_kernels(model, family).loss, counter, 0.0, data, 0)
+        if prefetch:
+            step.prefetch([0, 1, 2, 3], StepShape(2, 2))
+            step.batches = None  # the call below must not build any
+        result = step([0, 1, 2, 3], StepShape(2, 2))
+        grads.append([p.grad.clone() for p in model.parameters()])
+        assert step.prefetched is None and result.target_count == 12
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    step = Step(model, accelerator, reference_kernels(model, family).loss, counter, 0.0, data, 0)
+    step.prefetch([0, 1, 2, 3], StepShape(2, 2))
+    built = []
+    step.batches = lambda rows, shape: built.append(rows) or Step.batches(step, rows, shape)
+    step([4, 5, 6, 7], StepShape(2, 2))  # other rows (an OOM fallback's retry would bring another shape)
+    assert built == [[4, 5, 6, 7]] and step.prefetched is None
+
+
+def test_a_host_tensor_bound_for_a_gpu_is_pinned_first():
+    """Copies from pageable memory go through the driver's staging on the host's time: the kit pins first."""
+    from trainer.data.batches import pinned_for, to_device
+
+    host = torch.arange(4)
+    assert pinned_for(host, torch.device("cuda")) and pinned_for(host, "cuda:1")
+    assert not pinned_for(host, torch.device("cpu"))
+    assert to_device(host, torch.device("cpu")) is host  # nothing to copy on the CPU

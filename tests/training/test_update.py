@@ -51,8 +51,9 @@ def one_step(model, optimizer, cfg, poison: str | None = None, order=None):
         step, read = optimizer.step, loop.read_figures
         optimizer.step = lambda *a, **k: order.append("step") or step(*a, **k)
         loop.read_figures = lambda *a: order.append("read") or read(*a)
+    meanwhile = (lambda: order.append("meanwhile")) if order is not None else (lambda: None)
     try:
-        return loop.update(Accelerator(), model, optimizer, result, cfg)
+        return loop.update(Accelerator(), model, optimizer, result, cfg, meanwhile)
     finally:
         if order is not None:
             loop.read_figures = read
@@ -95,16 +96,20 @@ def test_the_device_decision_trains_the_weights_of_the_host_decision():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(runs[0][1], runs[1][1]))
 
 
-def test_the_host_reads_the_figures_after_the_update_is_queued():
+def test_the_host_reads_the_figures_after_the_update_and_its_other_work_are_queued():
+    """The sync comes last where the device decides; ``meanwhile`` (schedule, next batches) follows the step."""
     cfg = config()
     order = []
     model, optimizer = model_and_optimizer(fused=True)
     one_step(model, optimizer, cfg, order=order)
-    assert order == ["step", "read"]
+    assert order == ["step", "meanwhile", "read"]
     order.clear()
     model, optimizer = model_and_optimizer(fused=False)  # the host decides first
     one_step(model, optimizer, cfg, order=order)
-    assert order == ["read", "step"]
+    assert order == ["read", "step", "meanwhile"]
+    order.clear()
+    one_step(model, optimizer, cfg, poison="loss", order=order)  # a skipped step still schedules on
+    assert order == ["read", "meanwhile"]
 
 
 @pytest.mark.parametrize("overrides", [["training.mixed_precision=fp16"], ["training.distributed=fsdp"]])

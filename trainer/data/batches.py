@@ -108,6 +108,26 @@ def micro_batches(
     return [collate(group, pad_id) for group in mine]
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``, queued without the host waiting: a host tensor bound for a GPU is pinned first
+    (``pinned_for``). CUDA copies pageable memory through a driver staging buffer on the host's time; a pinned
+    one is queued as a DMA on the stream, and the host goes on launching."""
+    if pinned_for(tensor, device):
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def pinned_for(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``tensor`` must be pinned before its copy to ``device``: a host tensor, not yet pinned, bound
+    for a GPU."""
+    return torch.device(device).type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned()
+
+
+def pin_batch(batch: dict, device: torch.device) -> dict:
+    """A collated batch in pinned memory where it is bound for a GPU, so its copies later queue at once."""
+    return {k: v.pin_memory() if pinned_for(v, device) else v for k, v in batch.items()}
+
+
 def count_targets(batch: dict) -> int:
     """Tokens that carry a next-token label (prompt and padding excluded): the loss's denominator."""
     return int((batch["labels"][:, 1:] != IGNORE).sum())

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from trainer.data.batches import to_device
 from trainer.data.dataset import IGNORE
 from trainer.families import ModelLoadError
 from trainer.families import head as model_head
@@ -393,8 +394,8 @@ def fused_cross_entropy(
         return hidden.float().sum() * 0.0
     device = hidden.device
     flat = hidden.reshape(-1, hidden.shape[-1])
-    labels = targets[index].to(device, non_blocking=True)
-    index = index.to(device, non_blocking=True)
+    labels = to_device(targets[index], device)  # pinned first: no wait on the forward queued before
+    index = to_device(index, device)
     if torch.is_grad_enabled() and hidden.requires_grad and not head.weight.requires_grad:
         lend = lend or frozen_head_loss.here
         return frozen_head_loss.FrozenHeadLoss.apply(

@@ -279,14 +279,18 @@ def skips_on_device(optimizer, cfg: Config):
     return None
 
 
-def update(accelerator, model, optimizer, result, cfg: Config) -> tuple[float, float, str | None]:
+def update(
+    accelerator, model, optimizer, result, cfg: Config, meanwhile=lambda: None
+) -> tuple[float, float, str | None]:
     """Clip and step, unless the step is non-finite: the loss, the gradient norm, and why the update was
-    skipped (None: it was not).
+    skipped (None: it was not). ``meanwhile`` is the host's work that needs neither figure (the schedule, the
+    next step's batches): it runs after the update is queued.
 
     Where the optimizer can skip on the device (``skips_on_device``), it gets the decision as a tensor and is
-    stepped before the host reads the figures: the host's one sync then comes after the update is queued, so
-    the GPU does not sit idle while the host steps the optimizer (5.4 ms of a graphed Llama-1B step's 19 ms of
-    idle, bench/RESULTS.md session 30). Elsewhere the host reads the figures first and skips the call."""
+    stepped before the host reads the figures: the host's one sync then comes after the update and
+    ``meanwhile`` are queued, so the GPU does not sit idle while the host steps the optimizer and builds the next
+    batch (5.4 and 4.5 ms of a graphed Llama-1B step's 19 ms of idle, bench/RESULTS.md session 30). Elsewhere
+    the host reads the figures first and skips the call."""
     loss, grad_norm = step_figures(accelerator, model, result, cfg)
     inner = skips_on_device(optimizer, cfg) if torch.is_tensor(grad_norm) else None
     if inner is None:
@@ -294,6 +298,7 @@ def update(accelerator, model, optimizer, result, cfg: Config) -> tuple[float, f
         skipped = skip_reason(*figures, cfg)
         if skipped is None:
             optimizer.step()
+        meanwhile()
         return (*figures, skipped)
     finite = torch.isfinite(loss.detach().float()) & torch.isfinite(
         grad_norm.detach().float().to(loss.device)
@@ -303,8 +308,18 @@ def update(accelerator, model, optimizer, result, cfg: Config) -> tuple[float, f
         optimizer.step()
     finally:
         del inner.found_inf
+    meanwhile()
     figures = read_figures(loss, grad_norm)
     return (*figures, skip_reason(*figures, cfg))
+
+
+def between_steps(run: Run, state: LoopState) -> None:
+    """What follows an update whatever its figures: the schedule, cleared gradients, the next step's batches."""
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    if state.step < run.total_steps:
+        rows, _ = next_step_rows(run.train_rows, run.rows_per_step, run.cfg.training.seed, state.pos)
+        run.step.prefetch(rows, state.shape)
 
 
 def skip_reason(loss: float, grad_norm: float, cfg: Config) -> str | None:
@@ -409,11 +424,11 @@ def train(
                 state.step += 1
                 # The update: clip, skip a non-finite step (inline, where the reader sees it), step, schedule.
                 lr = scheduler.get_last_lr()[0]
-                loss, grad_norm, skipped = update(accelerator, model, optimizer, result, cfg)
+                loss, grad_norm, skipped = update(
+                    accelerator, model, optimizer, result, cfg, functools.partial(between_steps, run, state)
+                )
                 if skipped is not None:
                     log.event("step_skipped", step=state.step, reason=skipped, loss=loss, grad_norm=grad_norm)
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
                 state.final_loss = loss
                 run.notifier.heartbeat(state.step)
                 step_log.record(state, result, lr, grad_norm, skipped, time.time() - started)

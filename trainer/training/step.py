@@ -22,12 +22,14 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from trainer.data import batches as host_batches
 from trainer.data.batches import (  # noqa: F401 - the step's rows; tests and the loop import them from here
     Position,
     StepShape,
     count_targets,
     micro_batches,
     next_step_rows,
+    pin_batch,
     split_rows,
 )
 from trainer.data.rows import IGNORE, Sequence
@@ -41,7 +43,7 @@ from trainer.training import fsdp
 def to_device(inputs: dict, device: torch.device) -> dict:
     """The batch's tensors on ``device`` without waiting for the GPU: a blocking copy would stall the host until
     the previous step's optimizer kernels finish, time it could spend launching this step's forward."""
-    return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+    return {k: host_batches.to_device(v, device) for k, v in inputs.items()}
 
 
 class LossFn(Protocol):
@@ -185,20 +187,34 @@ class Step:
     data: list[Sequence]  # the training rows
     pad_id: int
     defer_grad_sync: bool = False  # keep gradients local (the OOM fallback of several processes syncs them)
+    prefetched: tuple | None = None  # (rows, shape, batches) of the next step, built while the GPU worked
 
     def __call__(self, rows: list[int], shape: StepShape) -> StepResult:
+        ready, self.prefetched = self.prefetched, None
+        if ready is not None and ready[0] == rows and ready[1] == shape:
+            return self.accumulate(ready[2])
+        return self.accumulate(self.batches(rows, shape))
+
+    def batches(self, rows: list[int], shape: StepShape) -> list[dict]:
+        """This rank's micro-batches of a step, collated on the host (pinned where they go to a GPU)."""
         accelerator = self.accelerator
         batches = micro_batches(
             rows, self.data, shape, accelerator.num_processes, accelerator.process_index, self.pad_id
         )
-        return self.accumulate(batches)
+        return [pin_batch(b, accelerator.device) for b in batches]
+
+    def prefetch(self, rows: list[int], shape: StepShape) -> None:
+        """Build the next step's micro-batches now, while the GPU still runs this one (the loop calls it before
+        its sync); the next call with the same rows and shape takes them, any other call builds its own."""
+        self.prefetched = (rows, shape, self.batches(rows, shape))
 
     def accumulate(self, batches: list[dict]) -> StepResult:
         """Gradients of the step's loss, normalised by all of its target tokens."""
         accelerator = self.accelerator
         world = accelerator.num_processes
         local_count = sum(count_targets(b) for b in batches)
-        local_targets = torch.tensor(float(local_count), device=accelerator.device)
+        # Filled on the device: a tensor built on the host would be one more copy, and a blocking one.
+        local_targets = torch.full((), float(local_count), device=accelerator.device)
         global_targets = accelerator.reduce(local_targets, "sum").clamp(min=1.0)
         target_count = local_count if world == 1 else int(global_targets)
         ce_total = torch.zeros((), device=accelerator.device)
