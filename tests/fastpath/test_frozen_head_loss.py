@@ -40,21 +40,25 @@ def loss_and_grad(loss_fn, head, hidden, labels, scale=0.25):
     return loss.detach(), hidden.grad.clone()
 
 
-def test_the_lent_loss_is_the_plain_shifted_cross_entropy_and_its_gradient(cpu_liger):
-    """Against cross-entropy over full fp32 logits, and nothing read from lent memory after the call."""
-    head, hidden, labels = batch()
-    backend = ReplayOnCpu()
+def lent_and_reference(head, hidden, labels, backend):
+    """Loss and gradient computed in ``backend``'s lent memory, and over full fp32 logits."""
     lent = loss_and_grad(
         lambda h, x, y: fastpath.fused_cross_entropy(h, x, y, lend=backend.run_in_free_memory),
         head,
         hidden,
         labels,
     )
-    reference = loss_and_grad(fastpath.reference_cross_entropy, head, hidden, labels)
+    return lent, loss_and_grad(fastpath.reference_cross_entropy, head, hidden, labels)
+
+
+def test_the_lent_loss_is_the_plain_shifted_cross_entropy_and_its_gradient(cpu_liger):
+    """Against cross-entropy over full fp32 logits, and nothing read from lent memory after the call."""
+    head, hidden, labels = batch()
+    backend = ReplayOnCpu()
+    lent, reference = lent_and_reference(head, hidden, labels, backend)
     assert backend.lent == 1
-    assert torch.allclose(lent[0], reference[0], rtol=1e-6) and torch.allclose(
-        lent[1], reference[1], atol=1e-7
-    )
+    assert torch.allclose(lent[0], reference[0], rtol=1e-6)
+    assert torch.allclose(lent[1], reference[1], atol=1e-7)
     assert lent[1][0, :2].abs().sum() == 0 and lent[1][:, -1].abs().sum() == 0  # no target, no gradient
 
 
@@ -175,10 +179,14 @@ def test_the_chunk_loop_never_asks_the_host_how_many_targets(monkeypatch):
 
     monkeypatch.setattr(fastpath, "_flce_forward", lambda: frozen_head_loss.chunked_forward(cpu_rows_kernel))
     head, hidden, labels = batch()
-    reference = loss_and_grad(fastpath.reference_cross_entropy, head, hidden, labels)
     asked = []
-    monkeypatch.setattr(torch.Tensor, "item", lambda self: asked.append(self) or 0.0)
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: asked.append(self) or [])
+
+    def recording(name):
+        real = getattr(torch.Tensor, name)
+        return lambda self: asked.append(self) or real(self)
+
+    monkeypatch.setattr(torch.Tensor, "item", recording("item"))
+    monkeypatch.setattr(torch.Tensor, "tolist", recording("tolist"))
     backend = ReplayOnCpu()
     lent = loss_and_grad(
         lambda h, x, y: fastpath.fused_cross_entropy(h, x, y, lend=backend.run_in_free_memory),
@@ -187,9 +195,10 @@ def test_the_chunk_loop_never_asks_the_host_how_many_targets(monkeypatch):
         labels,
     )
     assert asked == [] and backend.lent == 1
-    assert torch.allclose(lent[0], reference[0], rtol=1e-6) and torch.allclose(
-        lent[1], reference[1], atol=1e-7
-    )
+    monkeypatch.undo()
+    reference = loss_and_grad(fastpath.reference_cross_entropy, head, hidden, labels)
+    assert torch.allclose(lent[0], reference[0], rtol=1e-6)
+    assert torch.allclose(lent[1], reference[1], atol=1e-7)
 
 
 def test_the_chunk_loop_only_where_its_logits_are_autocasts():
