@@ -375,11 +375,11 @@ def test_both_forms_of_transformers_checkpointed_call_are_recognised(capsys):
     import functools
 
     layer = torch.nn.Linear(2, 2)
-    assert layer_graphs._layer_of(functools.partial(torch.nn.Linear.forward, layer)) == (
+    assert layer_graphs.layer_of(functools.partial(torch.nn.Linear.forward, layer)) == (
         layer,
         torch.nn.Linear.forward,
     )
-    found, func = layer_graphs._layer_of(functools.partial(super(torch.nn.Linear, layer).__call__))
+    found, func = layer_graphs.layer_of(functools.partial(super(torch.nn.Linear, layer).__call__))
     assert found is layer and func is torch.nn.Module.__call__
     graphs = layer_graphs.LayerGraphs(ReplayOnCpu())
     x = torch.ones(1, 2)

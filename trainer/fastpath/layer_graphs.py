@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils import _pytree as pytree
 
-from trainer.fastpath import lora_ops
+from trainer.fastpath import lora_ops, recompute_tail
 
 PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -160,7 +160,7 @@ def _plain(value):
     return value if isinstance(value, PLAIN) else ("object", id(value))
 
 
-def _layer_of(run) -> tuple:
+def layer_of(run) -> tuple:
     """(the layer, its forward as a function of (layer, hidden, ...)) from transformers' checkpointed call:
     ``partial(forward, layer, **kwargs)`` or ``partial(layer.forward, **kwargs)``; (None, None) otherwise."""
     if not isinstance(run, functools.partial):
@@ -225,7 +225,7 @@ class LayerGraphs:
         """The call ``run(hidden, *rest, **kwargs)`` of transformers' checkpointing, when it can be graphed."""
         if self.off is not None:
             return None
-        layer, func = _layer_of(run)
+        layer, func = layer_of(run)
         if layer is None:
             self._give_up(f"the checkpointed call is not a layer's forward ({run!r:.120})")
             return None
@@ -291,7 +291,10 @@ class LayerGraphs:
             def body():
                 with torch.enable_grad(), _autocast(autocast), lora_ops.inline_casts():
                     h = statics.hidden.detach().requires_grad_(need_input_grad)
-                    with reading_views(call.layer, params, alias) as read:
+                    with (
+                        reading_views(call.layer, params, alias) as read,
+                        recompute_tail.skipping(call.layer),
+                    ):
                         out = run(h)
                 inputs = ([h] if need_input_grad else []) + read
                 grads = list(torch.autograd.grad(out, inputs, statics.grad, allow_unused=True))

@@ -24,6 +24,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from trainer.fastpath import recompute_tail
+
 
 class BaseWeight:
     """The frozen weight of a projection: a plain tensor, or a bitsandbytes 4-bit parameter to dequantize."""
@@ -335,7 +337,11 @@ class LoraMLPFunction(torch.autograd.Function):
         lo = [cast(w, dtype) for w in (ga, gb, ua, ub, da, db)]
         (e, g), xa_gu, a_gu = _group_forward(x2, bases[:2], lo[0:3:2], lo[1:4:2], scales[:2])
         h = _swiglu(e, g)
-        out, ha_d = _forward(h, down_base, lo[4], lo[5], scales[2])
+        if recompute_tail.output_unused():  # a checkpointed layer's recompute: only the saved tensors matter
+            ha_d = torch.mm(h, lo[4].t())
+            out = h.new_zeros(h.shape[0], lo[5].shape[0])
+        else:
+            out, ha_d = _forward(h, down_base, lo[4], lo[5], scales[2])
         del h
         ctx.save_for_backward(x2, e, g, xa_gu, a_gu, ha_d, lo[1], lo[3], lo[4], lo[5])
         ctx.bases, ctx.scales, ctx.shape, ctx.x_dtype = bases, scales, shape, x.dtype

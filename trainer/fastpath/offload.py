@@ -22,6 +22,9 @@ import weakref
 
 import torch
 
+from trainer.fastpath import recompute_tail
+from trainer.fastpath.layer_graphs import layer_of
+
 ATTRIBUTE = "_kit_offloaded_checkpoint"
 # transformers' ``enable_input_require_grads`` (called by its checkpointing, by PEFT, and by the kit's loading:
 # each call adds one) and PEFT's own fallback
@@ -146,8 +149,8 @@ class NotOneTensor(TypeError):
 
 class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, offloader, anchor, hidden, graphs=None, call=None):
-        ctx.run, ctx.offloader = run, offloader
+    def forward(ctx, run, offloader, anchor, hidden, graphs=None, call=None, layer=None):
+        ctx.run, ctx.offloader, ctx.layer = run, offloader, layer  # layer: None where it is not known
         ctx.graphs, ctx.call = graphs, call  # a layer_graphs.LayerGraphs and this layer's call, when graphed
         ctx.autocast = _autocast_state(hidden.device.type)
         ctx.cpu_rng = torch.get_rng_state()
@@ -169,19 +172,20 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             done, grad = ctx.graphs.backward(ctx.call, hidden, grad_out, need_input_grad, ctx.autocast)
             if done:
                 ctx.run = ctx.call = None
-                return None, None, None, grad, None, None
+                return None, None, None, grad, None, None, None
         hidden = hidden.requires_grad_(True)
         devices = [hidden.device] if ctx.cuda_rng is not None else []
         with torch.random.fork_rng(devices=devices, device_type=hidden.device.type):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
-            with torch.enable_grad(), torch.autocast(**ctx.autocast):
+            with torch.enable_grad(), torch.autocast(**ctx.autocast), recompute_tail.skipping(ctx.layer):
                 out = ctx.run(hidden)
+        recompute_tail.learn(ctx.layer, out)
         if out.requires_grad:
             torch.autograd.backward(out, grad_out)
-        ctx.run = ctx.call = None
-        return None, None, None, hidden.grad if need_input_grad else None, None, None
+        ctx.run = ctx.call = ctx.layer = None
+        return None, None, None, hidden.grad if need_input_grad else None, None, None, None
 
 
 class OffloadedCheckpoint:
@@ -199,6 +203,7 @@ class OffloadedCheckpoint:
         if self.plain or not args or not isinstance(args[0], torch.Tensor):
             return self.checkpoint(run, *args, **kwargs)
         hidden, rest = args[0], args[1:]
+        layer, _ = layer_of(run)
         call = None
         if self.graphs is not None:
             call = self.graphs.plan(run, rest, kwargs, hidden, _autocast_state(hidden.device.type))
@@ -207,7 +212,9 @@ class OffloadedCheckpoint:
         ):  # the other inputs (masks, positions) are kept as they are: only the hidden states move
             run = functools.partial(_call_with, run, rest, kwargs)
         try:
-            return _OffloadedCheckpoint.apply(run, self.offloader, self.anchor, hidden, self.graphs, call)
+            return _OffloadedCheckpoint.apply(
+                run, self.offloader, self.anchor, hidden, self.graphs, call, layer
+            )
         except NotOneTensor:
             # A layer whose output this cannot route (a tuple): PyTorch's own checkpointing from now on.
             self.plain = True

@@ -1,0 +1,111 @@
+"""A checkpointed layer's recompute skips its MLP's output projection where nothing reads it
+(trainer/fastpath/recompute_tail.py), checked on CPU: the same gradients as a whole recompute, the projection
+really skipped, and layers whose MLP output feeds anything but sums kept whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.fastpath.test_fastpath import checkpoint_grads, checkpointed_llama, rel_err
+from tests.fastpath.test_layer_graphs import ReplayOnCpu, packed_batches, train
+from trainer.fastpath import layer_graphs, offload, recompute_tail
+from trainer.fastpath.patch import patch_lora_linears, patch_swiglu_mlps
+
+
+def fused_mlp_llama(write_config):
+    model = checkpointed_llama(write_config)
+    assert patch_swiglu_mlps(model) == 2
+    patch_lora_linears(model)
+    return model
+
+
+def decoder_layers(model) -> list:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+@pytest.fixture
+def skips_seen(monkeypatch) -> list:
+    """What each fused MLP forward was told: True where it skipped its output projection."""
+    seen = []
+    asked = recompute_tail.output_unused
+
+    def spy():
+        seen.append(asked())
+        return seen[-1]
+
+    monkeypatch.setattr(recompute_tail, "output_unused", spy)
+    return seen
+
+
+def test_only_a_summed_mlp_output_counts_as_unused(write_config):
+    model = fused_mlp_llama(write_config)
+    mlp, norm = decoder_layers(model)[0].mlp, decoder_layers(model)[0].post_attention_layernorm
+    x = torch.randn(1, 5, mlp.gate_proj.in_features, requires_grad=True)
+    y = mlp(x)
+    assert recompute_tail.only_summed(x + y)  # the pre-norm residual add
+    assert recompute_tail.only_summed((x - y.float()).view(5, -1))  # casts and views hand gradients on too
+    assert not recompute_tail.only_summed(norm(x + y))  # a post-MLP norm reads the output
+    assert not recompute_tail.only_summed(x + y + y.sigmoid())  # one sum path, one that reads values
+    assert not recompute_tail.only_summed(x + y * 2.0)  # a scale is not taken as a sum (conservative)
+    assert not recompute_tail.only_summed(x + x.sigmoid())  # no fused MLP at all
+    assert not recompute_tail.only_summed(x.detach())
+
+
+def test_recompute_skips_the_projection_and_gives_the_gradients_of_a_whole_one(write_config, skips_seen):
+    """Step 1's recompute runs whole and learns; step 2's skips, with the gradients of plain checkpointing."""
+    model = fused_mlp_llama(write_config)
+    ids = torch.randint(3, 1024, (2, 24))
+    ref_loss, ref_grads = checkpoint_grads(model, ids)  # transformers' own checkpointing: no skip
+    assert skips_seen == [False] * 4
+    assert offload.offload_checkpointed_layers(model) == 2
+    skips_seen.clear()
+    checkpoint_grads(model, ids)
+    assert skips_seen == [False] * 4, "forward, then the first recompute of each layer, whole"
+    assert all(recompute_tail.may_skip(layer) for layer in decoder_layers(model))
+    skips_seen.clear()
+    loss, grads = checkpoint_grads(model, ids)
+    assert skips_seen == [False, False, True, True], "forward whole, recompute without the projection"
+    assert float(loss) == float(ref_loss)
+    assert grads.keys() == ref_grads.keys() and any("down_proj" in name for name in grads)
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) < 1e-6, name
+
+
+def test_a_layer_whose_mlp_output_is_normed_recomputes_whole(write_config, skips_seen, monkeypatch):
+    """A post-MLP norm (as Gemma's layers have) reads the output: that layer never skips, and its gradients
+    stay those of plain checkpointing."""
+    model = fused_mlp_llama(write_config)
+    first, layer = decoder_layers(model)
+    fused_forward = layer.mlp.forward
+    monkeypatch.setattr(layer.mlp, "forward", lambda x: layer.post_attention_layernorm(fused_forward(x)))
+    ids = torch.randint(3, 1024, (2, 24))
+    _, ref_grads = checkpoint_grads(model, ids)
+    offload.offload_checkpointed_layers(model)
+    for _ in range(2):
+        skips_seen.clear()
+        _, grads = checkpoint_grads(model, ids)
+    assert recompute_tail.may_skip(first) and not recompute_tail.may_skip(layer)
+    assert skips_seen == [False, False, False, True], "backward order: layer 1 whole, layer 0 skipped"
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) < 1e-6, name
+
+
+def test_graphed_recomputes_skip_and_train_as_the_eager_layers(write_config, skips_seen):
+    """The backward graphs are captured after each layer's whole first recompute and record the skip; losses
+    and weights over three optimizer steps are those of eager layers that never skip."""
+    batches = packed_batches(6)
+    plain = fused_mlp_llama(write_config)
+    setattr(plain, offload.ATTRIBUTE, None)  # ``train`` leaves it on transformers' own checkpointing
+    eager_losses, eager_weights = train(plain, batches, autocast=False)
+    assert True not in skips_seen
+    skips_seen.clear()
+    graphs = layer_graphs.LayerGraphs(ReplayOnCpu())
+    losses, weights = train(fused_mlp_llama(write_config), batches, autocast=False, graphs=graphs)
+    assert graphs.off is None and graphs.captured == 4
+    assert skips_seen.count(True) == 2 * 5, "every recompute after each layer's first skips"
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
+    for got, want in zip(weights, eager_weights):
+        assert rel_err(got, want) < 1e-6
