@@ -109,3 +109,64 @@ def test_graphed_recomputes_skip_and_train_as_the_eager_layers(write_config, ski
     assert losses == pytest.approx(eager_losses, rel=1e-6)
     for got, want in zip(weights, eager_weights):
         assert rel_err(got, want) < 1e-6
+
+
+def mlp_parts(hidden: int = 32, inter: int = 80, r: int = 4):
+    torch.manual_seed(2)
+    weights = [
+        torch.randn(inter, hidden) * 0.1,
+        torch.randn(inter, hidden) * 0.1,
+        torch.randn(hidden, inter) * 0.1,
+    ]
+    loras = [
+        (
+            (torch.randn(r, w.shape[1]) * 0.1).requires_grad_(True),
+            (torch.randn(w.shape[0], r) * 0.1).requires_grad_(True),
+        )
+        for w in weights
+    ]
+    return weights, loras, (0.5, 1.5, 2.0)
+
+
+def test_a_skipping_recompute_runs_the_mlp_backward_by_row_blocks_with_eager_gradients(monkeypatch):
+    """Inside a skipping recompute the fused MLP returns zeros and its backward computes the block in row
+    blocks: every (tokens x intermediate) tensor is a block's rows, and the gradients are eager fp32's."""
+    from trainer.fastpath import lora_ops
+
+    weights, loras, scales = mlp_parts()
+    parts = [(a, b, lora_ops.BaseWeight(w, None), s) for (a, b), w, s in zip(loras, weights, scales)]
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    grad = torch.randn(2, 7, 32)
+    rows_seen = []
+    swiglu = lora_ops._swiglu
+    monkeypatch.setattr(lora_ops, "_swiglu", lambda e, g: rows_seen.append(e.shape[0]) or swiglu(e, g))
+    layer = torch.nn.Linear(1, 1)
+    monkeypatch.setitem(recompute_tail._verdicts, layer, True)
+    with recompute_tail.skipping(layer):
+        out = lora_ops.lora_mlp(x, *parts)
+    assert not out.any() and rows_seen == [], "the forward computed nothing"
+    out.backward(grad)
+    assert rows_seen == [4, 4, 4, 2], "14 rows in four blocks"
+    leaves = [x] + [t for pair in loras for t in pair]
+    got = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+
+    def proj(inp, i):
+        (a, b), w, s = loras[i], weights[i], scales[i]
+        return inp @ w.t() + s * (inp @ a.t()) @ b.t()
+
+    proj(torch.nn.functional.silu(proj(x, 0)) * proj(x, 1), 2).backward(grad)
+    for mine, theirs in zip(got, [t.grad for t in leaves]):
+        assert rel_err(mine, theirs) < 1e-5
+
+
+def test_row_blocks_cover_every_row_once_in_fewer_blocks_for_4bit_bases():
+    from trainer.fastpath.lora_ops import row_blocks
+
+    for rows in (1, 7, 8192, 8193):
+        for quantized, most in ((False, 4), (True, 2)):
+            blocks = row_blocks(rows, quantized)
+            assert len(blocks) <= most and blocks[0].start == 0 and blocks[-1].stop == rows
+            assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
+    assert len(row_blocks(8192, False)) == 4 and len(row_blocks(8192, True)) == 2

@@ -324,50 +324,101 @@ def _swiglu_backward(e: torch.Tensor, g: torch.Tensor, dh: torch.Tensor):
     return dh * g * (sig * (1 + e * (1 - sig))), dh * silu
 
 
+def _mlp_backward(dy, x2, e, g, xa_gu, a_gu, ha_d, weights, bases, scales, need_dx: bool):
+    """dx (or None) and the (dA, dB) pairs of gate, up and down, in the compute dtype, from the block's input
+    ``x2``, its gate and up outputs ``e`` and ``g`` (written over) and their LoRA-A product ``xa_gu``.
+    ``ha_d``: the activation's LoRA-A product for down, computed here where None."""
+    gb, ub, da, db = weights
+    h = _swiglu(e, g)  # recomputed: one (tokens x intermediate) tensor not kept between passes
+    if ha_d is None:
+        ha_d = torch.mm(h, da.t())
+    # dh overwrites h, read for the last time by dA: one (tokens x intermediate) tensor fewer at the peak
+    dh, grad_da, grad_db = _backward(dy, h, ha_d, bases[2], da, db, scales[2], True, dx_into=h)
+    del h
+    de, dg = _swiglu_backward(e, g, dh)
+    del dh
+    dx, ((grad_ga, grad_gb), (grad_ua, grad_ub)) = _group_backward(
+        [de, dg], x2, xa_gu, a_gu, bases[:2], [gb, ub], scales[:2], need_dx
+    )
+    return dx, (grad_ga, grad_gb, grad_ua, grad_ub, grad_da, grad_db)
+
+
+def row_blocks(rows: int, quantized: bool) -> list[slice]:
+    """The row blocks of a recompute's MLP backward: four, two where a base is 4-bit (each block dequantizes
+    the three weights again: five ~15 us kernels for Llama-1B's)."""
+    size = -(-rows // (2 if quantized else 4))
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
 class LoraMLPFunction(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) with LoRA on all three projections; saves x, gate(x), up(x) only.
 
-    gate and up share their input, so they run as one group (one A GEMM each way)."""
+    gate and up share their input, so they run as one group (one A GEMM each way).
+
+    In a checkpointed layer's recompute whose MLP output nothing reads (``recompute_tail``), the forward saves
+    only its input and computes nothing; the backward then runs the whole block, forward and backward, in
+    blocks of rows. Why: there the recompute's forward is immediately followed by this backward, and the
+    block's (tokens x intermediate) tensors (gate and up outputs, the activation: 3 x 128 MiB for Llama-1B at
+    4 x 2048) were what the backward's memory peaked at, in the CUDA graphs' pool; by rows they are a block's
+    size. The same GEMMs run, the down projection's forward not at all, the activation once instead of twice."""
 
     @staticmethod
     def forward(ctx, x, ga, gb, ua, ub, da, db, bases, scales, dtype):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(dtype)
-        gate_base, up_base, down_base = bases
         lo = [cast(w, dtype) for w in (ga, gb, ua, ub, da, db)]
-        (e, g), xa_gu, a_gu = _group_forward(x2, bases[:2], lo[0:3:2], lo[1:4:2], scales[:2])
-        h = _swiglu(e, g)
-        if recompute_tail.output_unused():  # a checkpointed layer's recompute: only the saved tensors matter
-            ha_d = torch.mm(h, lo[4].t())
-            out = h.new_zeros(h.shape[0], lo[5].shape[0])
-        else:
-            out, ha_d = _forward(h, down_base, lo[4], lo[5], scales[2])
-        del h
-        ctx.save_for_backward(x2, e, g, xa_gu, a_gu, ha_d, lo[1], lo[3], lo[4], lo[5])
         ctx.bases, ctx.scales, ctx.shape, ctx.x_dtype = bases, scales, shape, x.dtype
         ctx.param_dtypes = tuple(w.dtype for w in (ga, gb, ua, ub, da, db))
+        ctx.by_rows = recompute_tail.output_unused()
+        if ctx.by_rows:  # a checkpointed layer's recompute: the backward computes what it needs
+            ctx.save_for_backward(x2, *lo)
+            return x2.new_zeros(*shape[:-1], lo[5].shape[0])
+        (e, g), xa_gu, a_gu = _group_forward(x2, bases[:2], lo[0:3:2], lo[1:4:2], scales[:2])
+        h = _swiglu(e, g)
+        out, ha_d = _forward(h, bases[2], lo[4], lo[5], scales[2])
+        del h
+        ctx.save_for_backward(x2, e, g, xa_gu, a_gu, ha_d, lo[1], lo[3], lo[4], lo[5])
         return out.view(*shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x2, e, g, xa_gu, a_gu, ha_d, gb, ub, da, db = ctx.saved_tensors
-        down_base = ctx.bases[2]
-        dy = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
-        h = _swiglu(e, g)  # recomputed: one (tokens x intermediate) tensor not kept between passes
-        # dh overwrites h, read for the last time by dA: one (tokens x intermediate) tensor fewer at the peak
-        dh, grad_da, grad_db = _backward(dy, h, ha_d, down_base, da, db, ctx.scales[2], True, dx_into=h)
-        del h
-        de, dg = _swiglu_backward(e, g, dh)
-        del dh
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
         need_dx = ctx.needs_input_grad[0]
-        dx, ((grad_ga, grad_gb), (grad_ua, grad_ub)) = _group_backward(
-            [de, dg], x2, xa_gu, a_gu, ctx.bases[:2], [gb, ub], ctx.scales[:2], need_dx
-        )
+        if ctx.by_rows:
+            dx, grads = LoraMLPFunction._by_rows(ctx, dy, need_dx)
+        else:
+            x2, e, g, xa_gu, a_gu, ha_d, *weights = ctx.saved_tensors
+            dy = dy.to(x2.dtype)
+            dx, grads = _mlp_backward(
+                dy, x2, e, g, xa_gu, a_gu, ha_d, weights, ctx.bases, ctx.scales, need_dx
+            )
         if dx is not None:
             dx = dx.view(ctx.shape).to(ctx.x_dtype)
-        grads = (grad_ga, grad_gb, grad_ua, grad_ub, grad_da, grad_db)
         grads = tuple(gr.to(dt) for gr, dt in zip(grads, ctx.param_dtypes))
         return (dx, *grads, None, None, None)
+
+    @staticmethod
+    def _by_rows(ctx, dy, need_dx: bool):
+        """The block's forward and backward over row blocks; the weights' gradients summed in fp32."""
+        x2, ga, gb, ua, ub, da, db = ctx.saved_tensors
+        dy = dy.to(x2.dtype)
+        bases, scales = ctx.bases, ctx.scales
+        dx = torch.empty_like(x2) if need_dx else None
+        sums = None
+        for rows in row_blocks(x2.shape[0], any(base.quantized for base in bases)):
+            xb = x2[rows]
+            (e, g), xa_gu, a_gu = _group_forward(xb, bases[:2], [ga, ua], [gb, ub], scales[:2])
+            dxb, grads = _mlp_backward(dy[rows], xb, e, g, xa_gu, a_gu, None, (gb, ub, da, db), bases, scales,
+                                       need_dx)  # fmt: skip
+            del e, g
+            if dxb is not None:
+                dx[rows] = dxb
+            grads = [gr.float() for gr in grads]
+            if sums is None:
+                sums = grads
+            else:
+                torch._foreach_add_(sums, grads)
+        return dx, sums
 
 
 def lora_mlp(x, gate, up, down) -> torch.Tensor:

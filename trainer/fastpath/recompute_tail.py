@@ -11,8 +11,10 @@ Whether a layer may skip it is read, once per layer, from the autograd graph of 
 runs whole (``learn``): every path from the layer's output to the fused MLP's node must pass only through
 adds, subtractions, views and casts, whose backward reads no values (``only_summed``). A post-MLP norm,
 a gate or a clamp keeps the recompute whole. Then ``skipping(layer)`` around a recompute makes
-``lora_ops.LoraMLPFunction`` return zeros of the output's shape instead of the projection; the gradients are
-the same (tests/fastpath/test_recompute_tail.py).
+``lora_ops.LoraMLPFunction`` return zeros of the output's shape and compute nothing in its forward: its
+backward runs the block, forward and backward, by blocks of rows, so the block's (tokens x intermediate)
+tensors never exist whole in the backward (the peak of the CUDA graphs' pool). The gradients are the same
+(tests/fastpath/test_recompute_tail.py).
 """
 
 from __future__ import annotations
