@@ -54,21 +54,30 @@ def test_only_a_summed_mlp_output_counts_as_unused(write_config):
     assert not recompute_tail.only_summed(x.detach())
 
 
-def test_recompute_skips_the_projection_and_gives_the_gradients_of_a_whole_one(write_config, skips_seen):
-    """Step 1's recompute runs whole and learns; step 2's skips, with the gradients of plain checkpointing."""
+@pytest.mark.parametrize("by_rows", [False, True])
+def test_recompute_skips_the_projection_and_gives_the_gradients_of_a_whole_one(
+    write_config, skips_seen, monkeypatch, by_rows
+):
+    """Step 1's recompute runs whole and learns; step 2's skips, with the gradients of plain checkpointing;
+    also where the blocks are large enough to run by rows (the forward without autograd then never asks)."""
+    from trainer.fastpath import lora_ops
+
     model = fused_mlp_llama(write_config)
     ids = torch.randint(3, 1024, (2, 24))
     ref_loss, ref_grads = checkpoint_grads(model, ids)  # transformers' own checkpointing: no skip
     assert skips_seen == [False] * 4
+    if by_rows:
+        monkeypatch.setattr(lora_ops, "BLOCK_BYTES", 0)
     assert offload.offload_checkpointed_layers(model) == 2
+    forward = [] if by_rows else [False, False]
     skips_seen.clear()
     checkpoint_grads(model, ids)
-    assert skips_seen == [False] * 4, "forward, then the first recompute of each layer, whole"
+    assert skips_seen == forward + [False, False], "the first recompute of each layer runs whole"
     assert all(recompute_tail.may_skip(layer) for layer in decoder_layers(model))
     skips_seen.clear()
     loss, grads = checkpoint_grads(model, ids)
-    assert skips_seen == [False, False, True, True], "forward whole, recompute without the projection"
-    assert float(loss) == float(ref_loss)
+    assert skips_seen == forward + [True, True], "the recompute without the projection"
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
     assert grads.keys() == ref_grads.keys() and any("down_proj" in name for name in grads)
     for name in grads:
         assert rel_err(grads[name], ref_grads[name]) < 1e-6, name
@@ -137,6 +146,7 @@ def test_a_skipping_recompute_runs_the_mlp_backward_by_row_blocks_with_eager_gra
     parts = [(a, b, lora_ops.BaseWeight(w, None), s) for (a, b), w, s in zip(loras, weights, scales)]
     x = torch.randn(2, 7, 32, requires_grad=True)
     grad = torch.randn(2, 7, 32)
+    monkeypatch.setattr(lora_ops, "BLOCK_BYTES", 14 * 80 * 4)  # this block's size: by rows
     rows_seen = []
     swiglu = lora_ops._swiglu
     monkeypatch.setattr(lora_ops, "_swiglu", lambda e, g: rows_seen.append(e.shape[0]) or swiglu(e, g))
@@ -161,12 +171,33 @@ def test_a_skipping_recompute_runs_the_mlp_backward_by_row_blocks_with_eager_gra
         assert rel_err(mine, theirs) < 1e-5
 
 
-def test_row_blocks_cover_every_row_once_in_fewer_blocks_for_4bit_bases():
-    from trainer.fastpath.lora_ops import row_blocks
+def test_row_blocks_cover_every_row_once_in_fewer_blocks_for_4bit_bases_and_only_large_blocks():
+    from trainer.fastpath.lora_ops import BLOCK_BYTES, row_blocks
 
     for rows in (1, 7, 8192, 8193):
         for quantized, most in ((False, 4), (True, 2)):
-            blocks = row_blocks(rows, quantized)
+            blocks = row_blocks(rows, BLOCK_BYTES, torch.int8, quantized)
             assert len(blocks) <= most and blocks[0].start == 0 and blocks[-1].stop == rows
             assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
-    assert len(row_blocks(8192, False)) == 4 and len(row_blocks(8192, True)) == 2
+    assert len(row_blocks(8192, 8192, torch.bfloat16, False)) == 4  # Llama-1B at 4 x 2048: 128 MiB
+    assert len(row_blocks(8192, 8192, torch.bfloat16, True)) == 2
+    assert row_blocks(8192, 3072, torch.bfloat16, False) is None  # Qwen3-0.6B: 48 MiB, whole
+
+
+def test_an_mlp_without_autograd_computes_a_large_block_by_rows(monkeypatch):
+    """Checkpointing's first pass (no autograd): a large block's output row block by row block, the same
+    output as the whole block's."""
+    from trainer.fastpath import lora_ops
+
+    weights, loras, scales = mlp_parts()
+    parts = [(a, b, lora_ops.BaseWeight(w, None), s) for (a, b), w, s in zip(loras, weights, scales)]
+    x = torch.randn(2, 7, 32)
+    with torch.no_grad():
+        whole = lora_ops.lora_mlp(x, *parts)
+        monkeypatch.setattr(lora_ops, "BLOCK_BYTES", 0)
+        rows_seen = []
+        swiglu = lora_ops._swiglu
+        monkeypatch.setattr(lora_ops, "_swiglu", lambda e, g: rows_seen.append(e.shape[0]) or swiglu(e, g))
+        by_rows = lora_ops.lora_mlp(x, *parts)
+    assert rows_seen == [4, 4, 4, 2]
+    assert rel_err(by_rows, whole) < 1e-6

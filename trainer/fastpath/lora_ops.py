@@ -343,11 +343,37 @@ def _mlp_backward(dy, x2, e, g, xa_gu, a_gu, ha_d, weights, bases, scales, need_
     return dx, (grad_ga, grad_gb, grad_ua, grad_ub, grad_da, grad_db)
 
 
-def row_blocks(rows: int, quantized: bool) -> list[slice]:
-    """The row blocks of a recompute's MLP backward: four, two where a base is 4-bit (each block dequantizes
-    the three weights again: five ~15 us kernels for Llama-1B's)."""
-    size = -(-rows // (2 if quantized else 4))
+BLOCK_BYTES = 64 << 20  # a (tokens x intermediate) tensor of at least this many bytes: the block runs by rows
+BLOCKS = 4  # ... in this many row blocks; half as many where a base is 4-bit (see row_blocks)
+FORWARD_BY_ROWS = True  # a forward without autograd (checkpointing's first pass) runs by rows too
+
+
+def row_blocks(rows: int, intermediate: int, dtype: torch.dtype, quantized: bool) -> list[slice] | None:
+    """The row blocks an MLP block of ``rows`` tokens runs in where it may (None: whole).
+
+    Only a large block: by rows, its (tokens x intermediate) tensors (gate and up outputs, the activation: 3 x
+    128 MiB for Llama-1B at 4 x 2048) are a block's size, which lowers the CUDA graphs' pool (the peak of one
+    layer's pass) at the cost of narrower GEMMs; where they are small they are not what the pool peaks at
+    (bench/RESULTS.md, session 32). A 4-bit base dequantizes its three weights again in every block."""
+    if rows * intermediate * dtype.itemsize < BLOCK_BYTES:
+        return None
+    size = -(-rows // (max(1, BLOCKS // 2) if quantized else BLOCKS))
     return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+def _blocks_for(x2: torch.Tensor, lo: list, bases) -> list[slice] | None:
+    return row_blocks(x2.shape[0], lo[1].shape[0], x2.dtype, any(base.quantized for base in bases))
+
+
+def _mlp_output_by_rows(x2, lo, bases, scales, blocks: list[slice]) -> torch.Tensor:
+    """The block's output without autograd, a row block at a time (checkpointing's first pass)."""
+    out = x2.new_empty(x2.shape[0], lo[5].shape[0])
+    for rows in blocks:
+        (e, g), _, _ = _group_forward(x2[rows], bases[:2], lo[0:3:2], lo[1:4:2], scales[:2])
+        h = _swiglu(e, g)
+        del e, g
+        out[rows] = _forward(h, bases[2], lo[4], lo[5], scales[2])[0]
+    return out
 
 
 class LoraMLPFunction(torch.autograd.Function):
@@ -355,12 +381,12 @@ class LoraMLPFunction(torch.autograd.Function):
 
     gate and up share their input, so they run as one group (one A GEMM each way).
 
-    In a checkpointed layer's recompute whose MLP output nothing reads (``recompute_tail``), the forward saves
-    only its input and computes nothing; the backward then runs the whole block, forward and backward, in
-    blocks of rows. Why: there the recompute's forward is immediately followed by this backward, and the
-    block's (tokens x intermediate) tensors (gate and up outputs, the activation: 3 x 128 MiB for Llama-1B at
-    4 x 2048) were what the backward's memory peaked at, in the CUDA graphs' pool; by rows they are a block's
-    size. The same GEMMs run, the down projection's forward not at all, the activation once instead of twice."""
+    In a checkpointed layer's recompute whose MLP output nothing reads (``recompute_tail``) the down
+    projection is not computed. Where the block is large (``row_blocks``) that forward saves only its input and
+    computes nothing; the backward then runs the whole block, forward and backward, by blocks of rows: the
+    recompute's forward is immediately followed by this backward, so the same GEMMs run, the activation once
+    instead of twice, and no (tokens x intermediate) tensor exists whole. ``lora_mlp`` without autograd
+    (checkpointing's first pass) runs a large block by rows too."""
 
     @staticmethod
     def forward(ctx, x, ga, gb, ua, ub, da, db, bases, scales, dtype):
@@ -369,13 +395,19 @@ class LoraMLPFunction(torch.autograd.Function):
         lo = [cast(w, dtype) for w in (ga, gb, ua, ub, da, db)]
         ctx.bases, ctx.scales, ctx.shape, ctx.x_dtype = bases, scales, shape, x.dtype
         ctx.param_dtypes = tuple(w.dtype for w in (ga, gb, ua, ub, da, db))
-        ctx.by_rows = recompute_tail.output_unused()
-        if ctx.by_rows:  # a checkpointed layer's recompute: the backward computes what it needs
+        # in a checkpointed layer's recompute whose output nothing reads, only the saved tensors matter
+        unused = recompute_tail.output_unused()
+        ctx.blocks = _blocks_for(x2, lo, bases) if unused else None
+        if ctx.blocks is not None:  # the backward computes what it needs, by rows
             ctx.save_for_backward(x2, *lo)
             return x2.new_zeros(*shape[:-1], lo[5].shape[0])
         (e, g), xa_gu, a_gu = _group_forward(x2, bases[:2], lo[0:3:2], lo[1:4:2], scales[:2])
         h = _swiglu(e, g)
-        out, ha_d = _forward(h, bases[2], lo[4], lo[5], scales[2])
+        if unused:
+            ha_d = torch.mm(h, lo[4].t())
+            out = h.new_zeros(h.shape[0], lo[5].shape[0])
+        else:
+            out, ha_d = _forward(h, bases[2], lo[4], lo[5], scales[2])
         del h
         ctx.save_for_backward(x2, e, g, xa_gu, a_gu, ha_d, lo[1], lo[3], lo[4], lo[5])
         return out.view(*shape[:-1], out.shape[-1])
@@ -384,7 +416,7 @@ class LoraMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         need_dx = ctx.needs_input_grad[0]
-        if ctx.by_rows:
+        if ctx.blocks is not None:
             dx, grads = LoraMLPFunction._by_rows(ctx, dy, need_dx)
         else:
             x2, e, g, xa_gu, a_gu, ha_d, *weights = ctx.saved_tensors
@@ -405,7 +437,7 @@ class LoraMLPFunction(torch.autograd.Function):
         bases, scales = ctx.bases, ctx.scales
         dx = torch.empty_like(x2) if need_dx else None
         sums = None
-        for rows in row_blocks(x2.shape[0], any(base.quantized for base in bases)):
+        for rows in ctx.blocks:
             xb = x2[rows]
             (e, g), xa_gu, a_gu = _group_forward(xb, bases[:2], [ga, ua], [gb, ub], scales[:2])
             dxb, grads = _mlp_backward(dy[rows], xb, e, g, xa_gu, a_gu, None, (gb, ub, da, db), bases, scales,
@@ -425,6 +457,11 @@ def lora_mlp(x, gate, up, down) -> torch.Tensor:
     """``gate``/``up``/``down``: (A weight, B weight, BaseWeight, scale) for each projection."""
     bases = (gate[2], up[2], down[2])
     scales = (gate[3], up[3], down[3])
-    return LoraMLPFunction.apply(
-        x, gate[0], gate[1], up[0], up[1], down[0], down[1], bases, scales, compute_dtype(x)
-    )
+    dtype = compute_dtype(x)
+    if FORWARD_BY_ROWS and not torch.is_grad_enabled():  # no autograd (checkpointing's first pass, eval)
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        lo = [cast(w, dtype) for w in (gate[0], gate[1], up[0], up[1], down[0], down[1])]
+        blocks = _blocks_for(x2, lo, bases)
+        if blocks is not None:
+            return _mlp_output_by_rows(x2, lo, bases, scales, blocks).view(*x.shape[:-1], lo[5].shape[0])
+    return LoraMLPFunction.apply(x, gate[0], gate[1], up[0], up[1], down[0], down[1], bases, scales, dtype)
