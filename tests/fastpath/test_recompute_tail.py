@@ -156,7 +156,7 @@ def test_a_skipping_recompute_runs_the_mlp_backward_by_row_blocks_with_eager_gra
         out = lora_ops.lora_mlp(x, *parts)
     assert not out.any() and rows_seen == [], "the forward computed nothing"
     out.backward(grad)
-    assert rows_seen == [4, 4, 4, 2], "14 rows in four blocks"
+    assert rows_seen == [7, 7], "14 rows in two blocks"
     leaves = [x] + [t for pair in loras for t in pair]
     got = [t.grad.clone() for t in leaves]
     for t in leaves:
@@ -171,17 +171,15 @@ def test_a_skipping_recompute_runs_the_mlp_backward_by_row_blocks_with_eager_gra
         assert rel_err(mine, theirs) < 1e-5
 
 
-def test_row_blocks_cover_every_row_once_in_fewer_blocks_for_4bit_bases_and_only_large_blocks():
-    from trainer.fastpath.lora_ops import BLOCK_BYTES, row_blocks
+def test_row_blocks_cover_every_row_once_and_only_large_blocks_run_by_rows():
+    from trainer.fastpath.lora_ops import BLOCK_BYTES, BLOCKS, row_blocks
 
     for rows in (1, 7, 8192, 8193):
-        for quantized, most in ((False, 4), (True, 2)):
-            blocks = row_blocks(rows, BLOCK_BYTES, torch.int8, quantized)
-            assert len(blocks) <= most and blocks[0].start == 0 and blocks[-1].stop == rows
-            assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
-    assert len(row_blocks(8192, 8192, torch.bfloat16, False)) == 4  # Llama-1B at 4 x 2048: 128 MiB
-    assert len(row_blocks(8192, 8192, torch.bfloat16, True)) == 2
-    assert row_blocks(8192, 3072, torch.bfloat16, False) is None  # Qwen3-0.6B: 48 MiB, whole
+        blocks = row_blocks(rows, BLOCK_BYTES, torch.int8)
+        assert len(blocks) <= BLOCKS and blocks[0].start == 0 and blocks[-1].stop == rows
+        assert all(a.stop == b.start for a, b in zip(blocks, blocks[1:]))
+    assert len(row_blocks(8192, 8192, torch.bfloat16)) == 2  # Llama-1B at 4 x 2048: 128 MiB
+    assert row_blocks(8192, 3072, torch.bfloat16) is None  # Qwen3-0.6B: 48 MiB, whole
 
 
 def test_an_mlp_without_autograd_computes_a_large_block_by_rows(monkeypatch):
@@ -199,5 +197,5 @@ def test_an_mlp_without_autograd_computes_a_large_block_by_rows(monkeypatch):
         swiglu = lora_ops._swiglu
         monkeypatch.setattr(lora_ops, "_swiglu", lambda e, g: rows_seen.append(e.shape[0]) or swiglu(e, g))
         by_rows = lora_ops.lora_mlp(x, *parts)
-    assert rows_seen == [4, 4, 4, 2]
+    assert rows_seen == [7, 7]
     assert rel_err(by_rows, whole) < 1e-6

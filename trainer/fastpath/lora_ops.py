@@ -344,25 +344,27 @@ def _mlp_backward(dy, x2, e, g, xa_gu, a_gu, ha_d, weights, bases, scales, need_
 
 
 BLOCK_BYTES = 64 << 20  # a (tokens x intermediate) tensor of at least this many bytes: the block runs by rows
-BLOCKS = 4  # ... in this many row blocks; half as many where a base is 4-bit (see row_blocks)
+BLOCKS = 2  # ... in this many row blocks (see row_blocks)
 FORWARD_BY_ROWS = True  # a forward without autograd (checkpointing's first pass) runs by rows too
 
 
-def row_blocks(rows: int, intermediate: int, dtype: torch.dtype, quantized: bool) -> list[slice] | None:
+def row_blocks(rows: int, intermediate: int, dtype: torch.dtype) -> list[slice] | None:
     """The row blocks an MLP block of ``rows`` tokens runs in where it may (None: whole).
 
     Only a large block: by rows, its (tokens x intermediate) tensors (gate and up outputs, the activation: 3 x
     128 MiB for Llama-1B at 4 x 2048) are a block's size, which lowers the CUDA graphs' pool (the peak of one
     layer's pass) at the cost of narrower GEMMs; where they are small they are not what the pool peaks at
-    (bench/RESULTS.md, session 32). A 4-bit base dequantizes its three weights again in every block."""
+    (bench/RESULTS.md, session 32: Llama-1B's LoRA + GC 3.74 -> 3.62 GiB at the same speed in two blocks, 3%
+    slower in four; Qwen3-0.6B's 48 MiB blocks gained nothing and ran 7% slower). A 4-bit base dequantizes its
+    weights again in every block."""
     if rows * intermediate * dtype.itemsize < BLOCK_BYTES:
         return None
-    size = -(-rows // (max(1, BLOCKS // 2) if quantized else BLOCKS))
+    size = -(-rows // BLOCKS)
     return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
-def _blocks_for(x2: torch.Tensor, lo: list, bases) -> list[slice] | None:
-    return row_blocks(x2.shape[0], lo[1].shape[0], x2.dtype, any(base.quantized for base in bases))
+def _blocks_for(x2: torch.Tensor, lo: list) -> list[slice] | None:
+    return row_blocks(x2.shape[0], lo[1].shape[0], x2.dtype)
 
 
 def _mlp_output_by_rows(x2, lo, bases, scales, blocks: list[slice]) -> torch.Tensor:
@@ -397,7 +399,7 @@ class LoraMLPFunction(torch.autograd.Function):
         ctx.param_dtypes = tuple(w.dtype for w in (ga, gb, ua, ub, da, db))
         # in a checkpointed layer's recompute whose output nothing reads, only the saved tensors matter
         unused = recompute_tail.output_unused()
-        ctx.blocks = _blocks_for(x2, lo, bases) if unused else None
+        ctx.blocks = _blocks_for(x2, lo) if unused else None
         if ctx.blocks is not None:  # the backward computes what it needs, by rows
             ctx.save_for_backward(x2, *lo)
             return x2.new_zeros(*shape[:-1], lo[5].shape[0])
@@ -461,7 +463,7 @@ def lora_mlp(x, gate, up, down) -> torch.Tensor:
     if FORWARD_BY_ROWS and not torch.is_grad_enabled():  # no autograd (checkpointing's first pass, eval)
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
         lo = [cast(w, dtype) for w in (gate[0], gate[1], up[0], up[1], down[0], down[1])]
-        blocks = _blocks_for(x2, lo, bases)
+        blocks = _blocks_for(x2, lo)
         if blocks is not None:
             return _mlp_output_by_rows(x2, lo, bases, scales, blocks).view(*x.shape[:-1], lo[5].shape[0])
     return LoraMLPFunction.apply(x, gate[0], gate[1], up[0], up[1], down[0], down[1], bases, scales, dtype)
