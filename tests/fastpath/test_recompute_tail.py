@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fastpath.test_fastpath import checkpoint_grads, checkpointed_llama, rel_err
+from tests.fastpath.test_fastpath import ALL_LINEAR, checkpoint_grads, checkpointed_llama, rel_err
 from tests.fastpath.test_layer_graphs import ReplayOnCpu, packed_batches, train
 from trainer.fastpath import layer_graphs, offload, recompute_tail
 from trainer.fastpath.patch import patch_lora_linears, patch_swiglu_mlps
@@ -199,3 +199,31 @@ def test_an_mlp_without_autograd_computes_a_large_block_by_rows(monkeypatch):
         by_rows = lora_ops.lora_mlp(x, *parts)
     assert rows_seen == [7, 7]
     assert rel_err(by_rows, whole) < 1e-6
+
+
+def test_olmo2s_post_feedforward_norm_keeps_its_recompute_whole(skips_seen):
+    """A real architecture whose MLP output is normed before the residual add (OLMo-2): the fused MLP runs,
+    no layer skips, and the gradients stay those of transformers' own checkpointing."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Olmo2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    model = get_peft_model(Olmo2ForCausalLM(config), LoraConfig(r=4, target_modules=list(ALL_LINEAR)))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.05)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    assert patch_swiglu_mlps(model) == 2
+    patch_lora_linears(model)
+    ids = torch.randint(0, 128, (2, 16))
+    _, ref_grads = checkpoint_grads(model, ids)
+    assert offload.offload_checkpointed_layers(model) == 2
+    for _ in range(2):
+        skips_seen.clear()
+        _, grads = checkpoint_grads(model, ids)
+    assert skips_seen == [False] * 4 and not any(recompute_tail.may_skip(m) for m in decoder_layers(model))
+    for name in grads:
+        assert rel_err(grads[name], ref_grads[name]) < 1e-6, name
