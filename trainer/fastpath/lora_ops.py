@@ -390,6 +390,8 @@ class LoraMLPFunction(torch.autograd.Function):
     instead of twice, and no (tokens x intermediate) tensor exists whole. ``lora_mlp`` without autograd
     (checkpointing's first pass) runs a large block by rows too."""
 
+    SKIPS_UNUSED_OUTPUT = True  # what ``recompute_tail`` looks for in a layer's autograd graph
+
     @staticmethod
     def forward(ctx, x, ga, gb, ua, ub, da, db, bases, scales, dtype):
         shape = x.shape

@@ -68,9 +68,9 @@ def may_skip(layer) -> bool:
 
 
 def _is_mlp(node) -> bool:
-    from trainer.fastpath.lora_ops import LoraMLPFunction
-
-    return getattr(node, "_forward_cls", None) is LoraMLPFunction
+    """An autograd node of a function that computes nothing for its output while ``output_unused()``
+    (``lora_ops.LoraMLPFunction``: its class says so with ``SKIPS_UNUSED_OUTPUT``)."""
+    return getattr(getattr(node, "_forward_cls", None), "SKIPS_UNUSED_OUTPUT", False)
 
 
 def only_summed(out: torch.Tensor) -> bool:
