@@ -166,9 +166,9 @@ def test_lora_linear_with_bias_and_4bit_base_matches_eager():
         assert rel_err(mine, theirs) < 1e-5
 
 
-def test_lora_mlp_matches_eager_swiglu():
+def mlp_case(hidden: int = 32, inter: int = 80, r: int = 4):
+    """A SwiGLU block's frozen weights, LoRA pairs and scales, and its eager fp32 forward ``reference(x)``."""
     torch.manual_seed(2)
-    hidden, inter, r = 32, 80, 4
     weights = [
         torch.randn(inter, hidden) * 0.1,
         torch.randn(inter, hidden) * 0.1,
@@ -182,21 +182,29 @@ def test_lora_mlp_matches_eager_swiglu():
         for w in weights
     ]
     scales = (0.5, 1.5, 2.0)
-    x = torch.randn(2, 7, hidden, requires_grad=True)
-    parts = [(a, b, BaseWeight(w, None), s) for (a, b), w, s in zip(loras, weights, scales)]
-    out = lora_mlp(x, *parts)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-    leaves = [x] + [t for pair in loras for t in pair]
-    got = [out.detach()] + [t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad = None
 
     def proj(inp, i):
         (a, b), w, s = loras[i], weights[i], scales[i]
         return inp @ w.t() + s * (inp @ a.t()) @ b.t()
 
-    ref = proj(torch.nn.functional.silu(proj(x, 0)) * proj(x, 1), 2)
+    def reference(x):
+        return proj(torch.nn.functional.silu(proj(x, 0)) * proj(x, 1), 2)
+
+    parts = [(a, b, BaseWeight(w, None), s) for (a, b), w, s in zip(loras, weights, scales)]
+    return parts, [t for pair in loras for t in pair], reference
+
+
+def test_lora_mlp_matches_eager_swiglu():
+    parts, lora_leaves, reference = mlp_case()
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    out = lora_mlp(x, *parts)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    leaves = [x] + lora_leaves
+    got = [out.detach()] + [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    ref = reference(x)
     ref.backward(grad)
     for mine, theirs in zip(got, [ref.detach()] + [t.grad for t in leaves]):
         assert rel_err(mine, theirs) < 1e-5

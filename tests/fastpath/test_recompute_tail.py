@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.fastpath.test_fastpath import ALL_LINEAR, checkpoint_grads, checkpointed_llama, rel_err
+from tests.fastpath.test_fastpath import ALL_LINEAR, checkpoint_grads, checkpointed_llama, mlp_case, rel_err
 from tests.fastpath.test_layer_graphs import ReplayOnCpu, packed_batches, train
 from trainer.fastpath import layer_graphs, offload, recompute_tail
 from trainer.fastpath.patch import patch_lora_linears, patch_swiglu_mlps
@@ -120,30 +120,12 @@ def test_graphed_recomputes_skip_and_train_as_the_eager_layers(write_config, ski
         assert rel_err(got, want) < 1e-6
 
 
-def mlp_parts(hidden: int = 32, inter: int = 80, r: int = 4):
-    torch.manual_seed(2)
-    weights = [
-        torch.randn(inter, hidden) * 0.1,
-        torch.randn(inter, hidden) * 0.1,
-        torch.randn(hidden, inter) * 0.1,
-    ]
-    loras = [
-        (
-            (torch.randn(r, w.shape[1]) * 0.1).requires_grad_(True),
-            (torch.randn(w.shape[0], r) * 0.1).requires_grad_(True),
-        )
-        for w in weights
-    ]
-    return weights, loras, (0.5, 1.5, 2.0)
-
-
 def test_a_skipping_recompute_runs_the_mlp_backward_by_row_blocks_with_eager_gradients(monkeypatch):
     """Inside a skipping recompute the fused MLP returns zeros and its backward computes the block in row
     blocks: every (tokens x intermediate) tensor is a block's rows, and the gradients are eager fp32's."""
     from trainer.fastpath import lora_ops
 
-    weights, loras, scales = mlp_parts()
-    parts = [(a, b, lora_ops.BaseWeight(w, None), s) for (a, b), w, s in zip(loras, weights, scales)]
+    parts, lora_leaves, reference = mlp_case()
     x = torch.randn(2, 7, 32, requires_grad=True)
     grad = torch.randn(2, 7, 32)
     monkeypatch.setattr(lora_ops, "BLOCK_BYTES", 14 * 80 * 4)  # this block's size: by rows
@@ -157,16 +139,11 @@ def test_a_skipping_recompute_runs_the_mlp_backward_by_row_blocks_with_eager_gra
     assert not out.any() and rows_seen == [], "the forward computed nothing"
     out.backward(grad)
     assert rows_seen == [7, 7], "14 rows in two blocks"
-    leaves = [x] + [t for pair in loras for t in pair]
+    leaves = [x] + lora_leaves
     got = [t.grad.clone() for t in leaves]
     for t in leaves:
         t.grad = None
-
-    def proj(inp, i):
-        (a, b), w, s = loras[i], weights[i], scales[i]
-        return inp @ w.t() + s * (inp @ a.t()) @ b.t()
-
-    proj(torch.nn.functional.silu(proj(x, 0)) * proj(x, 1), 2).backward(grad)
+    reference(x).backward(grad)
     for mine, theirs in zip(got, [t.grad for t in leaves]):
         assert rel_err(mine, theirs) < 1e-5
 
@@ -187,8 +164,7 @@ def test_an_mlp_without_autograd_computes_a_large_block_by_rows(monkeypatch):
     output as the whole block's."""
     from trainer.fastpath import lora_ops
 
-    weights, loras, scales = mlp_parts()
-    parts = [(a, b, lora_ops.BaseWeight(w, None), s) for (a, b), w, s in zip(loras, weights, scales)]
+    parts, _, _ = mlp_case()
     x = torch.randn(2, 7, 32)
     with torch.no_grad():
         whole = lora_ops.lora_mlp(x, *parts)
