@@ -90,11 +90,7 @@ def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path, mo
     """A NaN loss at step 3 must not update the weights; the record carries null plus a flag. Also where the
     fused AdamW (CUDA's, forced here on the CPU) skips the step on the device before the host reads the loss."""
     if on_device:
-        from trainer.training import optim
-
-        build = optim._build
-        monkeypatch.setattr(optim, "_build", lambda groups, kwargs, name, on_cuda, fused: build(
-            groups, kwargs, name, on_cuda, True))  # fmt: skip
+        force_fused_adamw(monkeypatch)
     cfg = load_config(write_config({"training": {"max_steps": 5, "save_steps": 100}}))
     calls = {"n": 0}
 
@@ -120,34 +116,114 @@ def test_nonfinite_loss_is_skipped_and_logged_as_null(write_config, tmp_path, mo
     assert not any(r.get("skipped") for r in records if r["step"] != 3)
 
 
-@pytest.mark.slow
-def test_the_next_steps_batches_are_built_before_the_hosts_sync(write_config, monkeypatch):
-    """With an optimizer that skips on the device (fused AdamW, forced on the CPU), each step's batches are built
-    while the previous step's update is still queued, before the host reads its figures; every step takes the
-    batches built for it, so none is built twice, and the last step builds none for a step that never comes."""
-    from trainer.training import loop, optim
-    from trainer.training.step import Step
+def force_fused_adamw(monkeypatch):
+    """The fused AdamW that CUDA runs build, which skips a non-finite step on the device, forced on the CPU."""
+    from trainer.training import optim
 
     build = optim._build
     monkeypatch.setattr(optim, "_build", lambda groups, kwargs, name, on_cuda, fused: build(
         groups, kwargs, name, on_cuda, True))  # fmt: skip
-    order, taken = [], []
-    batches, call, read = Step.batches, Step.__call__, loop.read_figures
-    monkeypatch.setattr(Step, "batches", lambda self, rows, shape: order.append(("build", rows)) or batches(
-        self, rows, shape))  # fmt: skip
-    monkeypatch.setattr(Step, "__call__", lambda self, rows, shape: taken.append(
-        self.prefetched is not None and self.prefetched[0] == rows) or call(self, rows, shape))  # fmt: skip
-    monkeypatch.setattr(loop, "read_figures", lambda *a: order.append(("read",)) or read(*a))
-    cfg = load_config(write_config({"training": {"max_steps": 4, "save_steps": 100}}))
-    assert train(cfg) == 0
-    assert [o[0] for o in order] == ["build", "build", "read", "build", "read", "build", "read", "read"]
-    assert taken == [False, True, True, True]  # steps 2-4 took what was built during the step before
-    built = [o[1] for o in order if o[0] == "build"]
-    assert len({tuple(rows) for rows in built}) == 4  # four steps, four different sets of rows
 
 
 @pytest.mark.slow
-def test_fatal_error_is_logged_then_raised(write_config, tmp_path):
+def test_each_steps_figures_are_read_after_the_next_steps_passes_are_queued(write_config, monkeypatch):
+    """Where the device skips non-finite steps (fused AdamW, forced on the CPU), each step's batches are built while
+    the step before's update is still queued, and a step's figures are read only once the next step's passes are
+    queued: the GPU goes from one step to the next without waiting for the host. The last step, and a step that
+    is evaluated or checkpointed, is read at once. Every step takes the batches built for it."""
+    from trainer.training.figures import Figures
+    from trainer.training.step import Step
+
+    force_fused_adamw(monkeypatch)
+    order, taken = [], []
+    batches, call, accumulate, read = Step.batches, Step.__call__, Step.accumulate, Figures.read
+    monkeypatch.setattr(Step, "batches", lambda self, rows, shape: order.append("build") or batches(
+        self, rows, shape))  # fmt: skip
+    monkeypatch.setattr(Step, "__call__", lambda self, rows, shape: taken.append(
+        self.prefetched is not None and self.prefetched[0] == rows) or call(self, rows, shape))  # fmt: skip
+    monkeypatch.setattr(Step, "accumulate", lambda self, b: order.append("passes") or accumulate(self, b))
+    monkeypatch.setattr(
+        Figures, "read", lambda self: (order.append("read") if self.pending else None) or read(self)
+    )
+    cfg = load_config(
+        write_config({"training": {"max_steps": 5, "save_steps": 3}, "eval": {"interval": 100}})
+    )
+    assert train(cfg) == 0
+    assert order == [
+        "build", "passes", "build",  # step 1, and step 2's batches while its update is queued
+        "passes", "read", "build",  # step 2's passes queued, then step 1's figures
+        "passes", "read", "build", "read",  # step 2's figures; step 3 is checkpointed: read at once
+        "passes", "build",  # step 4: left to read
+        "passes", "read", "read",  # step 5's passes, step 4's figures, then the last step's
+    ]  # fmt: skip
+    assert taken == [False, True, True, True, True]  # steps 2-5 took what was built during the step before
+
+
+@pytest.mark.slow
+def test_figures_read_late_log_what_figures_read_at_once_log(write_config, tmp_path, monkeypatch):
+    """The same run, its figures read at once (the multi-tensor AdamW: the host decides) and a step late (fused
+    AdamW): the same records, loss for loss, and the same step times' meaning (positive, one per step)."""
+    overrides = {"training": {"max_steps": 6, "save_steps": 4}, "eval": {"interval": 100}}
+    cfg = load_config(write_config(overrides, "a.yaml", "at_once"))
+    assert train(cfg) == 0
+    force_fused_adamw(monkeypatch)
+    cfg = load_config(write_config(overrides, "b.yaml", "late"))
+    assert train(cfg) == 0
+    at_once, late = training_records(tmp_path / "at_once"), training_records(tmp_path / "late")
+    assert [r["step"] for r in late] == [r["step"] for r in at_once] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(at_once, late):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert (b["lr"], b["epoch"], b["tokens"]) == (a["lr"], a["epoch"], a["tokens"])
+        assert b["tokens_per_sec"] > 0 and b["steps_per_sec"] > 0
+    end = [
+        e for e in iter_records(tmp_path / "late" / "logs" / runfolder.EVENTS_LOG) if e["event"] == "run_end"
+    ]
+    assert end[-1]["final_loss"] == pytest.approx(late[-1]["loss"])
+
+
+@pytest.mark.slow
+def test_a_signal_after_a_step_left_to_read_late_records_it_before_its_checkpoint(
+    write_config, tmp_path, monkeypatch
+):
+    """SIGTERM during step 3, whose figures would be read after step 4's passes: the loop reads them before it
+    saves, so step 3's record, the signal and the checkpoint of step 3 are all there, in that order."""
+    import os
+    import signal
+
+    force_fused_adamw(monkeypatch)
+    cfg = load_config(
+        write_config({"training": {"max_steps": 6, "save_steps": 100}, "eval": {"interval": 100}})
+    )
+    calls = {"n": 0}
+
+    def signalling(real_loss):
+        def loss(model, batch, accelerator):
+            calls["n"] += 1
+            if calls["n"] == 5:  # step 3's first micro-batch
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real_loss(model, batch, accelerator)
+
+        return loss
+
+    assert train(cfg, faults=InjectedFaults(wrap_loss=signalling)) == 143
+    run = tmp_path / "run"
+    records = training_records(run)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    events = list(iter_records(run / "logs" / runfolder.EVENTS_LOG))
+    names = [(e["event"], e.get("step")) for e in events]
+    assert names.index(("signal", 3)) < names.index(("checkpoint_saved", 3))
+    saved = events[names.index(("checkpoint_saved", 3))]
+    assert records[-1]["ts"] <= saved["ts"]  # written before the save, not at the run's end
+    assert (run / "checkpoint-3").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("late", [False, True])
+def test_fatal_error_is_logged_then_raised(write_config, tmp_path, monkeypatch, late):
+    """Also where step 2's figures were left to read late: its record is written before the error is."""
+    if late:
+        force_fused_adamw(monkeypatch)
     cfg = load_config(write_config({"training": {"max_steps": 5, "save_steps": 100}}))
     calls = {"n": 0}
 
@@ -167,6 +243,7 @@ def test_fatal_error_is_logged_then_raised(write_config, tmp_path):
     assert len(errors) == 1
     assert errors[0]["type"] == "RuntimeError" and errors[0]["message"] == "boom at the third step"
     assert errors[0]["step"] == 2 and "exploding" in errors[0]["traceback"]
+    assert [r["step"] for r in training_records(run)] == [1, 2]
     info = json.loads((run / runfolder.RUN_JSON).read_text())
     assert info["status"] == "failed" and info["ended_at"]
 

@@ -53,7 +53,10 @@ def one_step(model, optimizer, cfg, poison: str | None = None, order=None):
         loop.read_figures = lambda *a: order.append("read") or read(*a)
     meanwhile = (lambda: order.append("meanwhile")) if order is not None else (lambda: None)
     try:
-        return loop.update(Accelerator(), model, optimizer, result, cfg, meanwhile)
+        figures = loop.update(Accelerator(), model, optimizer, result, cfg, meanwhile)
+        if figures.pending and order is not None:
+            order.append("read")  # the caller's read, which may come a step later (loop.read_late)
+        return figures.read()
     finally:
         if order is not None:
             loop.read_figures = read
@@ -97,7 +100,8 @@ def test_the_device_decision_trains_the_weights_of_the_host_decision():
 
 
 def test_the_host_reads_the_figures_after_the_update_and_its_other_work_are_queued():
-    """The sync comes last where the device decides; ``meanwhile`` (schedule, next batches) follows the step."""
+    """Where the device decides, ``update`` returns figures not yet read: the caller's read, the sync, comes
+    after the step and ``meanwhile`` (schedule, next batches). Where the host decides, it reads first."""
     cfg = config()
     order = []
     model, optimizer = model_and_optimizer(fused=True)

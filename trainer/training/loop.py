@@ -38,12 +38,13 @@ from trainer.training.checkpointing import (
 )
 from trainer.training.evaluation import Evaluator
 from trainer.training.faults import NO_FAULTS, Faults
+from trainer.training.figures import Figures
 from trainer.training.oom_retry import OomFallback
 from trainer.training.optim import make_optimizer, make_scheduler
 from trainer.training.profiling import StepProfiler
 from trainer.training.signals import StopFlag, Stopped
 from trainer.training.step import Step, StepShape, choose_kernels, next_step_rows
-from trainer.training.step_log import StepLog
+from trainer.training.step_log import StepDone, StepLog
 from trainer.training.task_eval import load_task, resolve_metric
 
 # ---------------------------------------------------------------- set-up steps
@@ -243,7 +244,7 @@ def start_monitoring(cleanup, run: Run, log, accelerator, output_dir: Path, stat
     telemetry.start()
     cleanup.callback(telemetry.stop)
     step_log = StepLog(
-        cfg, log, accelerator, run.counter, run.trackers, run.total_steps, run.train_rows, state.step
+        cfg, log, accelerator, run.counter, run.trackers, run.notifier, run.total_steps, run.train_rows, state
     )
     cleanup.callback(step_log.close)
     return step_log
@@ -279,18 +280,16 @@ def skips_on_device(optimizer, cfg: Config):
     return None
 
 
-def update(
-    accelerator, model, optimizer, result, cfg: Config, meanwhile=lambda: None
-) -> tuple[float, float, str | None]:
-    """Clip and step, unless the step is non-finite: the loss, the gradient norm, and why the update was
-    skipped (None: it was not). ``meanwhile`` is the host's work that needs neither figure (the schedule, the
+def update(accelerator, model, optimizer, result, cfg: Config, meanwhile=lambda: None) -> Figures:
+    """Clip and step, unless the step is non-finite; returns its ``Figures`` (the loss, the gradient norm, and
+    why the update was skipped). ``meanwhile`` is the host's work that needs neither figure (the schedule, the
     next step's batches): it runs after the update is queued.
 
     Where the optimizer can skip on the device (``skips_on_device``), it gets the decision as a tensor and is
-    stepped before the host reads the figures: the host's one sync then comes after the update and
-    ``meanwhile`` are queued, so the GPU does not sit idle while the host steps the optimizer and builds the next
-    batch (5.4 and 4.5 ms of a graphed Llama-1B step's 19 ms of idle, bench/RESULTS.md session 30). Elsewhere
-    the host reads the figures first and skips the call."""
+    stepped before the host reads the figures, which are copied to the host behind the update and read when
+    the caller asks (``figures.py``): the GPU does not sit idle while the host steps the optimizer and builds
+    the next batch (5.4 and 4.5 ms of a graphed Llama-1B step's 19 ms of idle, bench/RESULTS.md session 30),
+    nor, read a step late, while it logs. Elsewhere the host reads the figures first and skips the call."""
     loss, grad_norm = step_figures(accelerator, model, result, cfg)
     inner = skips_on_device(optimizer, cfg) if torch.is_tensor(grad_norm) else None
     if inner is None:
@@ -299,7 +298,7 @@ def update(
         if skipped is None:
             optimizer.step()
         meanwhile()
-        return (*figures, skipped)
+        return Figures.known(*figures, skipped)
     finite = torch.isfinite(loss.detach().float()) & torch.isfinite(
         grad_norm.detach().float().to(loss.device)
     )
@@ -309,8 +308,14 @@ def update(
     finally:
         del inner.found_inf
     meanwhile()
-    figures = read_figures(loss, grad_norm)
-    return (*figures, skip_reason(*figures, cfg))
+    return Figures.behind(loss, grad_norm, functools.partial(skip_reason, cfg=cfg))
+
+
+def read_late(step: int, run: Run, accelerator, due: bool) -> bool:
+    """Whether this step's figures may wait until the next step's passes are queued: one process, and nothing
+    at this step reads them (an evaluation, a checkpoint, the last step). Several processes keep reading at
+    once: their stop flag and token counts are collectives, each a sync at every step anyway."""
+    return not due and accelerator.num_processes == 1 and step < run.total_steps
 
 
 def between_steps(run: Run, state: LoopState) -> None:
@@ -419,27 +424,27 @@ def train(
                     state.step,
                     state.shape,
                     functools.partial(run.step, rows),
-                    save_before_failing=lambda: run.checkpointer.save("oom", state),
+                    save_before_failing=lambda: step_log.flush() or run.checkpointer.save("oom", state),
                 )
+                step_log.flush()  # the step before, where its figures were left to read until now
                 state.step += 1
                 # The update: clip, skip a non-finite step (inline, where the reader sees it), step, schedule.
                 lr = scheduler.get_last_lr()[0]
-                loss, grad_norm, skipped = update(
+                figures = update(
                     accelerator, model, optimizer, result, cfg, functools.partial(between_steps, run, state)
                 )
-                if skipped is not None:
-                    log.event("step_skipped", step=state.step, reason=skipped, loss=loss, grad_norm=grad_norm)
-                state.final_loss = loss
-                run.notifier.heartbeat(state.step)
-                step_log.record(state, result, lr, grad_norm, skipped, time.time() - started)
+                should_save = state.step % cfg.training.save_steps == 0 and state.step < run.total_steps
+                should_eval = should_save or eval_due(state.step, run.total_steps, cfg)
+                done = StepDone(state.step, state.pos, result, lr, started, figures)
+                step_log.finish(done, read_now=not read_late(state.step, run, accelerator, should_eval))
                 profiler.after(state.step)
 
-                should_save = state.step % cfg.training.save_steps == 0 and state.step < run.total_steps
-                if should_save or eval_due(state.step, run.total_steps, cfg):
+                if should_eval:
                     evaluate(run, state, stop, accelerator)
                 if should_save:
                     run.checkpointer.save("periodic", state)
                 if stop.requested(accelerator):
+                    step_log.flush()
                     log.event("signal", step=state.step, signal=stop.name)
                     if not should_save:
                         run.checkpointer.save("signal", state)

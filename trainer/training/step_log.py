@@ -6,13 +6,16 @@ Collectives (token counts, expert counts) run on every rank at the same steps, w
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from trainer import runfolder
 from trainer.config import Config
+from trainer.data.batches import Position
 from trainer.fastpath.layer_graphs import CudaGraphs
 from trainer.training.checkpointing import LoopState
+from trainer.training.figures import Figures
 from trainer.training.step import StepResult
 from trainer.training.trackers import Trackers
 
@@ -47,35 +50,72 @@ def make_progress(enabled: bool, step: int, total: int):
     return tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
 
 
+@dataclass
+class StepDone:
+    """One step's update, as its record needs it; its figures may still be on their way to the host."""
+
+    step: int
+    pos: Position  # where the data stood after the step
+    result: StepResult
+    lr: float
+    started: float  # time.time() when its passes began
+    figures: Figures
+
+
 class StepLog:
-    """Writes one step's record every ``logging.interval`` steps and expert usage every ``expert_interval``."""
+    """Writes one step's record every ``logging.interval`` steps and expert usage every ``expert_interval``.
+
+    A step whose figures were left to read late (``figures.py``) is held until ``flush``: the loop calls it once
+    the next step's passes are queued, before anything that reads or saves what the step left, and at the end.
+    """
 
     def __init__(
-        self, cfg: Config, log: runfolder.RunLog, accelerator, counter, trackers: Trackers, total_steps: int,
-        train_rows: int, start_step: int,
+        self, cfg: Config, log: runfolder.RunLog, accelerator, counter, trackers: Trackers, notifier,
+        total_steps: int, train_rows: int, state: LoopState,
     ):  # fmt: skip
         self.cfg, self.log, self.accelerator = cfg, log, accelerator
-        self.counter, self.trackers = counter, trackers
+        self.counter, self.trackers, self.notifier, self.state = counter, trackers, notifier, state
         self.peak_memory = PeakMemory(accelerator.device)
         self.total_steps, self.train_rows = total_steps, train_rows
         self.progress = make_progress(
-            accelerator.is_main_process and cfg.logging.progress_bar, start_step, total_steps
+            accelerator.is_main_process and cfg.logging.progress_bar, state.step, total_steps
         )
-        self.expert_window_start = start_step + 1
+        self.expert_window_start = state.step + 1
         self.train_start = time.time()
+        self.last_reported = 0.0
         self.step_time_ema: float | None = None
+        self.held: StepDone | None = None
+
+    def finish(self, done: StepDone, read_now: bool) -> None:
+        """Report ``done`` now, or, where its figures are still on their way and ``read_now`` is False, at the
+        next ``flush``."""
+        self.flush()
+        self.held = done
+        if read_now or not done.figures.pending:
+            self.flush()
+
+    def flush(self) -> None:
+        """Report the held step, if any: its skip, its loss as the run's latest, the heartbeat, its record."""
+        done, self.held = self.held, None
+        if done is None:
+            return
+        loss, grad_norm, skipped = done.figures.read()
+        now = time.time()
+        # From the step before's report where that came later than this step's start (it was read late): in
+        # steady state, the time between two steps' figures, which is what a step takes.
+        seconds = now - max(done.started, self.last_reported)
+        self.last_reported = now
+        if skipped is not None:
+            self.log.event("step_skipped", step=done.step, reason=skipped, loss=loss, grad_norm=grad_norm)
+        self.state.final_loss = loss
+        self.notifier.heartbeat(done.step)
+        self.record(done, loss, grad_norm, skipped, seconds)
 
     def record(
-        self,
-        state: LoopState,
-        result: StepResult,
-        lr: float,
-        grad_norm: float,
-        skipped: str | None,
-        seconds: float,
+        self, done: StepDone, loss: float, grad_norm: float, skipped: str | None, seconds: float
     ) -> None:
-        """After the update of step ``state.step``, which took ``seconds``; ``state.final_loss`` is its loss."""
-        accelerator, step, total, loss = self.accelerator, state.step, self.total_steps, state.final_loss
+        """The step's record, expert usage and progress bar, after its update, which took ``seconds``."""
+        accelerator, step, total, result = self.accelerator, done.step, self.total_steps, done.result
         ema = self.step_time_ema
         self.step_time_ema = seconds if ema is None else 0.9 * ema + 0.1 * seconds
         tokens_all = result.input_tokens
@@ -86,9 +126,9 @@ class StepLog:
             record = runfolder.TrainRecord(
                 step=step,
                 total_steps=total,
-                epoch=round(state.pos.epoch + state.pos.row / self.train_rows, 4),
+                epoch=round(done.pos.epoch + done.pos.row / self.train_rows, 4),
                 loss=loss,
-                lr=lr,
+                lr=done.lr,
                 grad_norm=grad_norm,
                 tokens=result.target_count,
                 tokens_per_sec=round(tokens_all / seconds, 1),
@@ -100,7 +140,7 @@ class StepLog:
                 skipped=True if skipped else None,
             )
             self.log.append(record)
-            self.trackers.log_step(step, loss, lr, grad_norm)
+            self.trackers.log_step(step, loss, done.lr, grad_norm)
         if self.counter.active and (step % self.cfg.logging.expert_interval == 0 or step == total):
             self.flush_experts(step)
         if self.progress is not None:
@@ -124,5 +164,11 @@ class StepLog:
         self.expert_window_start = step + 1
 
     def close(self) -> None:
+        """On every ending: the held step's record first (a step that failed after it leaves it intact)."""
+        held = self.held
+        try:
+            self.flush()
+        except Exception as exc:  # a broken device: the run's own error is the one to report
+            print(f"WARNING: step {held.step}'s figures could not be read: {exc}", flush=True)
         if self.progress is not None:
             self.progress.close()
