@@ -35,6 +35,7 @@ from trainer.data.batches import (  # noqa: F401 - the step's rows; tests and th
 from trainer.data.rows import IGNORE, Sequence
 from trainer.families.base import unmask_right_padding
 from trainer.model import chunked_loss
+from trainer.model.own_positions import own_positions
 from trainer.training import fsdp
 
 # ---------------------------------------------------------------- the loss of one micro-batch
@@ -61,7 +62,7 @@ class FullCrossEntropy:
 
     def __call__(self, model, batch: dict, accelerator):
         inputs = to_device(self.model_inputs(batch), accelerator.device)
-        with accelerator.autocast():
+        with accelerator.autocast(), own_positions(inputs):
             out = model(**inputs, use_cache=False)
         # A family may flatten packed rows into one (GLA's varlen cu_seqlens): back to the batch's shape.
         logits = out.logits.reshape(*batch["labels"].shape, -1)[:, :-1].float()
@@ -87,7 +88,7 @@ class HeadLoss:
         inputs = to_device(self.model_inputs(batch), accelerator.device)
         head = chunked_loss.output_head(model)
         with accelerator.autocast():
-            with chunked_loss.head_bypassed(head) as seen:
+            with chunked_loss.head_bypassed(head) as seen, own_positions(inputs):
                 out = model(**inputs, use_cache=False)
             # The head's own input, not accelerate's fp32 copy of it (dropped with ``out``: nothing reads it).
             hidden = (out.logits if seen.hidden is None else seen.hidden).reshape(*batch["labels"].shape, -1)
