@@ -233,6 +233,56 @@ def test_lora_mlp_backward_writes_the_activations_gradient_over_the_recomputed_a
     assert seen["dh"].data_ptr() == backward_h.data_ptr() != forward_h.data_ptr()
 
 
+@pytest.mark.parametrize("base_last", [True, False])
+def test_low_rank_then_base_is_the_eager_sum_in_either_order(monkeypatch, base_last):
+    """The rank-r product written first and the full GEMMs added onto it (the order the fast path runs), or the
+    other way round: the eager sum in fp32; a reused output's old contents, NaN included, are ignored."""
+    from trainer.fastpath import lora_ops
+
+    monkeypatch.setattr(lora_ops, "BASE_GEMM_LAST", base_last)
+    torch.manual_seed(4)
+    low, up = torch.randn(9, 3), torch.randn(3, 7)
+    terms = [(torch.randn(9, 5), torch.randn(5, 7)), (torch.randn(9, 4), torch.randn(4, 7))]
+    expected = 0.5 * low @ up + sum(x @ w for x, w in terms)
+    out = torch.full((9, 7), float("nan"))
+    got = lora_ops.low_rank_then_base(out, low, up, 0.5, iter(terms))
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lora_ops.low_rank_then_base(None, low, up, 0.5, terms), expected)
+
+
+@pytest.mark.parametrize("base_last", [True, False])
+def test_group_backward_uses_each_base_before_the_next_overwrites_it(monkeypatch, base_last):
+    """4-bit bases of one shape dequantize into one shared buffer (K and V, gate and up): dx must use each
+    weight before the next is written there. A stand-in base that shares one buffer gives the eager dx."""
+    from trainer.fastpath import lora_ops
+
+    monkeypatch.setattr(lora_ops, "BASE_GEMM_LAST", base_last)
+    torch.manual_seed(5)
+    shared = torch.empty(6, 5)
+
+    class SharedBuffer:
+        bias = None
+
+        def __init__(self, weight):
+            self.weight = weight
+
+        def materialize(self, dtype):
+            return shared.copy_(self.weight)
+
+    weights = [torch.randn(6, 5), torch.randn(6, 5)]
+    a_list = [torch.randn(2, 5), torch.randn(2, 5)]
+    b_list = [torch.randn(6, 2), torch.randn(6, 2)]
+    x2, dys = torch.randn(4, 5), [torch.randn(4, 6), torch.randn(4, 6)]
+    xa = x2 @ torch.cat(a_list).t()
+    bases = [SharedBuffer(w) for w in weights]
+    dx, _ = lora_ops._group_backward(dys, x2, xa, torch.cat(a_list), bases, b_list, (1.0, 2.0), True)
+    expected = sum(
+        dy @ w + s * (dy @ b) @ a for dy, w, a, b, s in zip(dys, weights, a_list, b_list, (1.0, 2.0))
+    )
+    torch.testing.assert_close(dx, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_autograd_functions_pass_gradcheck_in_fp64():
     torch.manual_seed(3)
     w = torch.randn(6, 5, dtype=torch.float64)
