@@ -249,6 +249,9 @@ def test_low_rank_then_base_is_the_eager_sum_in_either_order(monkeypatch, base_l
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lora_ops.low_rank_then_base(None, low, up, 0.5, terms), expected)
+    bias = torch.randn(7)  # a biased projection's bias, in the first GEMM's epilogue
+    with_bias = lora_ops.low_rank_then_base(None, low, up, 0.5, terms, bias)
+    torch.testing.assert_close(with_bias, expected + bias, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("base_last", [True, False])

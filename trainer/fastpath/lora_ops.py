@@ -168,9 +168,11 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 BASE_GEMM_LAST = True  # the base GEMM accumulates onto the LoRA term (see low_rank_then_base)
 
 
-def low_rank_then_base(out: torch.Tensor | None, low: torch.Tensor, up: torch.Tensor, scale: float, terms):
-    """s * low @ up, plus each (x, w) of ``terms`` as x @ w, written into ``out`` (or a new tensor). ``terms``
-    is iterated once, each w used before the next is made: 4-bit bases of one shape share one buffer.
+def low_rank_then_base(
+    out: torch.Tensor | None, low: torch.Tensor, up: torch.Tensor, scale: float, terms, bias=None
+):
+    """s * low @ up (+ bias), plus each (x, w) of ``terms`` as x @ w, written into ``out`` (or a new tensor).
+    ``terms`` is iterated once, each w used before the next is made: 4-bit bases of one shape share one buffer.
 
     The rank-r product runs first, writing the output once, and each full GEMM then adds onto it in its
     epilogue (beta 1), where reading the output hides behind the GEMM's compute. The other order, a full GEMM
@@ -181,11 +183,14 @@ def low_rank_then_base(out: torch.Tensor | None, low: torch.Tensor, up: torch.Te
     if not BASE_GEMM_LAST:
         terms = iter(terms)
         x, w = next(terms)
-        torch.mm(x, w, out=out)
+        torch.mm(x, w, out=out) if bias is None else torch.addmm(bias, x, w, out=out)
         for x, w in terms:
             out.addmm_(x, w)
         return out.addmm_(low, up, alpha=scale)
-    out.addmm_(low, up, beta=0, alpha=scale)  # beta 0: out's old contents are ignored, NaN included
+    if bias is None:
+        out.addmm_(low, up, beta=0, alpha=scale)  # beta 0: out's old contents are ignored, NaN included
+    else:
+        torch.addmm(bias, low, up, alpha=scale, out=out)  # the bias in the same GEMM's epilogue
     for x, w in terms:
         out.addmm_(x, w)
     return out
@@ -195,10 +200,12 @@ def _forward(x2: torch.Tensor, base: BaseWeight, a: torch.Tensor, b: torch.Tenso
     """y = x W^T (+ bias) + s (x A^T) B^T; returns y and x A^T (kept for dB)."""
     w = base.materialize(x2.dtype)
     xa = torch.mm(x2, a.t())
-    y = low_rank_then_base(None, xa, b.t(), scale, [(x2, w.t())])
-    if base.bias is not None:
-        y.add_(base.bias.to(x2.dtype))
+    y = low_rank_then_base(None, xa, b.t(), scale, [(x2, w.t())], _bias(base, x2.dtype))
     return y, xa
+
+
+def _bias(base: BaseWeight, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if base.bias is None else base.bias.to(dtype)
 
 
 def _backward(dy: torch.Tensor, x2, xa, base: BaseWeight, a, b, scale: float, need_dx: bool, dx_into=None):
@@ -256,9 +263,9 @@ def _group_forward(x2: torch.Tensor, bases, a_list, b_list, scales):
     for base, b, scale in zip(bases, b_list, scales):
         w = base.materialize(x2.dtype)
         rank = b.shape[1]
-        y = low_rank_then_base(None, xa[:, start : start + rank], b.t(), scale, [(x2, w.t())])
-        if base.bias is not None:
-            y.add_(base.bias.to(x2.dtype))
+        y = low_rank_then_base(
+            None, xa[:, start : start + rank], b.t(), scale, [(x2, w.t())], _bias(base, x2.dtype)
+        )
         outs.append(y)
         start += rank
     return outs, xa, a_all
