@@ -101,8 +101,8 @@ class TrainRecord(Record):
     """Target tokens (those the loss counts) in this step, across all ranks."""
     tokens_per_sec: float
     """Input tokens per second over this step, all ranks together: from the step's start, or from the
-    step before's record where that was written later (one process reads a step's loss after the next
-    step's passes are queued, [fastpath.md](fastpath.md))."""
+    step before's record where that was written later (with the fused AdamW a step's loss is read after the
+    next step's passes are queued, [fastpath.md](fastpath.md))."""
     steps_per_sec: float
     """Optimizer steps per second over this step."""
     eta_seconds: float

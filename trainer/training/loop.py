@@ -38,12 +38,13 @@ from trainer.training.checkpointing import (
 )
 from trainer.training.evaluation import Evaluator
 from trainer.training.faults import NO_FAULTS, Faults
-from trainer.training.figures import Figures
+from trainer.training.figures import Figures, on_host_order
 from trainer.training.oom_retry import OomFallback
 from trainer.training.optim import make_optimizer, make_scheduler
 from trainer.training.profiling import StepProfiler
 from trainer.training.signals import StopFlag, Stopped
 from trainer.training.step import Step, StepShape, choose_kernels, next_step_rows
+from trainer.training.step_counts import reduce_with_loss
 from trainer.training.step_log import StepDone, StepLog
 from trainer.training.task_eval import load_task, resolve_metric
 
@@ -250,22 +251,23 @@ def start_monitoring(cleanup, run: Run, log, accelerator, output_dir: Path, stat
     return step_log
 
 
-def step_figures(accelerator, model, result, cfg: Config):
-    """The step's mean loss (all ranks) and its gradient norm after clipping, left on the device."""
-    loss = accelerator.reduce(result.loss_sum, "sum") / result.targets
+def step_figures(accelerator, model, result, cfg: Config, stop_asked: bool):
+    """The step's mean loss (all ranks) and its gradient norm after clipping, left on the device, with the
+    values every rank reads alike (``step_counts.py``) and how they read."""
+    loss, shared, counts = reduce_with_loss(accelerator, result, stop_asked)
     max_norm = cfg.optimization.max_grad_norm or float("inf")
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):  # FSDP: a replicated DTensor
         grad_norm = grad_norm.full_tensor()
-    return loss, grad_norm
+    return loss, grad_norm, shared, counts
 
 
-def read_figures(loss, grad_norm) -> tuple[float, float]:
-    """Both figures on the host in one sync: reading them one by one would wait on the GPU twice in a row."""
+def read_figures(loss, grad_norm, shared) -> list[float]:
+    """The figures and the shared values on the host in one sync: reading them one by one would wait on the GPU
+    again and again."""
     if not torch.is_tensor(grad_norm):  # some backends hand back a float
-        return float(loss), float(grad_norm)
-    both = torch.stack([loss.detach().float(), grad_norm.detach().float().to(loss.device)]).tolist()
-    return both[0], both[1]
+        grad_norm = torch.tensor(float(grad_norm), device=loss.device)
+    return on_host_order(loss, grad_norm, shared).tolist()
 
 
 def skips_on_device(optimizer, cfg: Config):
@@ -280,25 +282,28 @@ def skips_on_device(optimizer, cfg: Config):
     return None
 
 
-def update(accelerator, model, optimizer, result, cfg: Config, meanwhile=lambda: None) -> Figures:
-    """Clip and step, unless the step is non-finite; returns its ``Figures`` (the loss, the gradient norm, and
-    why the update was skipped). ``meanwhile`` is the host's work that needs neither figure (the schedule, the
-    next step's batches): it runs after the update is queued.
+def update(
+    accelerator, model, optimizer, result, cfg: Config, meanwhile=lambda: None, stop_asked: bool = False
+) -> Figures:
+    """Clip and step, unless the step is non-finite; returns its ``Figures`` (the loss, the gradient norm, why
+    the update was skipped, and the step's counts, with whether any rank was asked to stop: ``stop_asked`` is
+    this rank's say). ``meanwhile`` is the host's work that needs neither figure (the schedule, the next step's
+    batches): it runs after the update is queued.
 
     Where the optimizer can skip on the device (``skips_on_device``), it gets the decision as a tensor and is
     stepped before the host reads the figures, which are copied to the host behind the update and read when
     the caller asks (``figures.py``): the GPU does not sit idle while the host steps the optimizer and builds
     the next batch (5.4 and 4.5 ms of a graphed Llama-1B step's 19 ms of idle, bench/RESULTS.md session 30),
     nor, read a step late, while it logs. Elsewhere the host reads the figures first and skips the call."""
-    loss, grad_norm = step_figures(accelerator, model, result, cfg)
+    loss, grad_norm, shared, counts = step_figures(accelerator, model, result, cfg, stop_asked)
     inner = skips_on_device(optimizer, cfg) if torch.is_tensor(grad_norm) else None
     if inner is None:
-        figures = read_figures(loss, grad_norm)
-        skipped = skip_reason(*figures, cfg)
+        read_loss, read_norm, *read_shared = read_figures(loss, grad_norm, shared)
+        skipped = skip_reason(read_loss, read_norm, cfg)
         if skipped is None:
             optimizer.step()
         meanwhile()
-        return Figures.known(*figures, skipped)
+        return Figures.known(read_loss, read_norm, skipped, counts(read_shared))
     finite = torch.isfinite(loss.detach().float()) & torch.isfinite(
         grad_norm.detach().float().to(loss.device)
     )
@@ -308,14 +313,14 @@ def update(accelerator, model, optimizer, result, cfg: Config, meanwhile=lambda:
     finally:
         del inner.found_inf
     meanwhile()
-    return Figures.behind(loss, grad_norm, functools.partial(skip_reason, cfg=cfg))
+    return Figures.behind(loss, grad_norm, shared, functools.partial(skip_reason, cfg=cfg), counts)
 
 
-def read_late(step: int, run: Run, accelerator, due: bool) -> bool:
-    """Whether this step's figures may wait until the next step's passes are queued: one process, and nothing
-    at this step reads them (an evaluation, a checkpoint, the last step). Several processes keep reading at
-    once: their stop flag and token counts are collectives, each a sync at every step anyway."""
-    return not due and accelerator.num_processes == 1 and step < run.total_steps
+def read_late(step: int, run: Run, due: bool) -> bool:
+    """Whether this step's figures may wait until the next step's passes are queued: nothing at this step reads
+    them (an evaluation, a checkpoint, the last step). With several processes every rank decides alike, so all
+    read the same step's stop flag at the same point."""
+    return not due and step < run.total_steps
 
 
 def between_steps(run: Run, state: LoopState) -> None:
@@ -431,19 +436,26 @@ def train(
                 # The update: clip, skip a non-finite step (inline, where the reader sees it), step, schedule.
                 lr = scheduler.get_last_lr()[0]
                 figures = update(
-                    accelerator, model, optimizer, result, cfg, functools.partial(between_steps, run, state)
+                    accelerator,
+                    model,
+                    optimizer,
+                    result,
+                    cfg,
+                    functools.partial(between_steps, run, state),
+                    stop_asked=stop.asked,
                 )
                 should_save = state.step % cfg.training.save_steps == 0 and state.step < run.total_steps
                 should_eval = should_save or eval_due(state.step, run.total_steps, cfg)
-                done = StepDone(state.step, state.pos, result, lr, started, figures)
-                step_log.finish(done, read_now=not read_late(state.step, run, accelerator, should_eval))
+                done = StepDone(state.step, state.pos, lr, started, figures)
+                step_log.finish(done, read_now=not read_late(state.step, run, should_eval))
                 profiler.after(state.step)
 
                 if should_eval:
                     evaluate(run, state, stop, accelerator)
                 if should_save:
                     run.checkpointer.save("periodic", state)
-                if stop.requested(accelerator):
+                # Several processes agree through the stop flag reduced with the last step read (step_counts.py).
+                if stop.requested(accelerator, agreed=step_log.agreed_stop):
                     step_log.flush()
                     log.event("signal", step=state.step, signal=stop.name)
                     if not should_save:

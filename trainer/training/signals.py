@@ -7,7 +7,9 @@ A run spends time in three kinds of places, and a signal is honoured differently
   Work that must not be cut in the middle (writing a file in place) runs inside ``deferred()`` and polls
   ``should_stop()`` between its pieces; leaving the block raises ``Stopped`` if a signal came meanwhile.
 - **The loop**: the handler only records the signal. After each step the ranks agree on it
-  (``requested``) and save a checkpoint of that step.
+  (``requested``) and save a checkpoint of that step. With several processes each rank's say rides in the
+  all-reduce of a step's loss and is read with it (``step_counts.py``), where a step's figures are read a step
+  late, after the next step: a signal stops the run within two steps instead of one.
 - **Evaluation and generation**: the same agreement between batches (``check``), so an evaluation of
   thousands of rows stops within one batch; ``check`` raises ``Stopped`` on every rank at the same batch,
   the loop marks the evaluation pending (redone on resume) and saves the step.
@@ -97,17 +99,25 @@ class StopFlag:
         if _installed is self:
             _installed = None
 
-    def requested(self, accelerator) -> bool:
-        """Every rank must stop at the same point, so the flag is agreed on across processes."""
+    @property
+    def asked(self) -> bool:
+        """This process has had a signal (the others may not have)."""
+        return self.signum is not None
+
+    def requested(self, accelerator, agreed: bool | None = None) -> bool:
+        """Every rank must stop at the same point, so the flag is agreed on across processes: ``agreed`` is a
+        flag all ranks reduced already (with a step's loss, ``step_counts.py``) and read at the same point;
+        without it, a collective agrees now."""
         if accelerator.num_processes == 1:
             return self.signum is not None
-        import torch
+        if agreed is None:
+            import torch
 
-        flag = torch.tensor(1.0 if self.signum is not None else 0.0, device=accelerator.device)
-        flag = accelerator.reduce(flag, "max")
-        if flag > 0 and self.signum is None:
+            flag = torch.tensor(1.0 if self.signum is not None else 0.0, device=accelerator.device)
+            agreed = bool(accelerator.reduce(flag, "max") > 0)
+        if agreed and self.signum is None:
             self.signum = signal.SIGTERM
-        return bool(flag > 0)
+        return agreed
 
     def check(self, accelerator) -> None:
         """Between evaluation or generation batches: raise ``Stopped`` on every rank once any rank has a signal.

@@ -169,7 +169,7 @@ class StepResult:
     """What one step's forward and backward passes leave for the update and the log."""
 
     targets: torch.Tensor  # target tokens of the whole step, all ranks: the loss's denominator
-    target_count: int  # the same number on the host (logged without a GPU sync in one-process runs)
+    target_count: int | None  # the same number on the host in one process (several: read with the loss)
     loss_sum: torch.Tensor  # this rank's summed cross-entropy
     aux_total: torch.Tensor  # this rank's router aux loss, averaged over micro-batches
     has_aux: bool  # the model returns a router aux loss
@@ -217,7 +217,7 @@ class Step:
         # Filled on the device: a tensor built on the host would be one more copy, and a blocking one.
         local_targets = torch.full((), float(local_count), device=accelerator.device)
         global_targets = accelerator.reduce(local_targets, "sum").clamp(min=1.0)
-        target_count = local_count if world == 1 else int(global_targets)
+        target_count = local_count if world == 1 else None  # read with the loss (step_counts.py), not now
         ce_total = torch.zeros((), device=accelerator.device)
         aux_total = torch.zeros((), device=accelerator.device)
         input_tokens = sum(int(b["token_mask"].sum()) for b in batches)

@@ -1,6 +1,7 @@
 """What each optimizer step leaves behind: its training_log.jsonl record, expert usage, the progress bar.
 
-Collectives (token counts, expert counts) run on every rank at the same steps, whatever rank 0 writes.
+A step's counts arrive with its figures (``step_counts.py``); expert counts are a collective, run on every rank
+at the same steps, whatever rank 0 writes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from trainer.data.batches import Position
 from trainer.fastpath.layer_graphs import CudaGraphs
 from trainer.training.checkpointing import LoopState
 from trainer.training.figures import Figures
-from trainer.training.step import StepResult
+from trainer.training.step_counts import StepCounts
 from trainer.training.trackers import Trackers
 
 
@@ -56,7 +57,6 @@ class StepDone:
 
     step: int
     pos: Position  # where the data stood after the step
-    result: StepResult
     lr: float
     started: float  # time.time() when its passes began
     figures: Figures
@@ -85,6 +85,7 @@ class StepLog:
         self.last_reported = 0.0
         self.step_time_ema: float | None = None
         self.held: StepDone | None = None
+        self.agreed_stop: bool | None = None  # the stop flag all ranks reduced with the last step reported
 
     def finish(self, done: StepDone, read_now: bool) -> None:
         """Report ``done`` now, or, where its figures are still on their way and ``read_now`` is False, at the
@@ -99,7 +100,8 @@ class StepLog:
         done, self.held = self.held, None
         if done is None:
             return
-        loss, grad_norm, skipped = done.figures.read()
+        loss, grad_norm, skipped, counts = done.figures.read()
+        self.agreed_stop = counts.stop
         now = time.time()
         # From the step before's report where that came later than this step's start (it was read late): in
         # steady state, the time between two steps' figures, which is what a step takes.
@@ -109,20 +111,23 @@ class StepLog:
             self.log.event("step_skipped", step=done.step, reason=skipped, loss=loss, grad_norm=grad_norm)
         self.state.final_loss = loss
         self.notifier.heartbeat(done.step)
-        self.record(done, loss, grad_norm, skipped, seconds)
+        self.record(done, loss, grad_norm, skipped, counts, seconds)
 
     def record(
-        self, done: StepDone, loss: float, grad_norm: float, skipped: str | None, seconds: float
+        self,
+        done: StepDone,
+        loss: float,
+        grad_norm: float,
+        skipped: str | None,
+        counts: StepCounts,
+        seconds: float,
     ) -> None:
         """The step's record, expert usage and progress bar, after its update, which took ``seconds``."""
-        accelerator, step, total, result = self.accelerator, done.step, self.total_steps, done.result
+        step, total = done.step, self.total_steps
         ema = self.step_time_ema
         self.step_time_ema = seconds if ema is None else 0.9 * ema + 0.1 * seconds
-        tokens_all = result.input_tokens
-        if accelerator.num_processes > 1:
-            tokens_all = int(accelerator.reduce(torch.tensor(tokens_all, device=accelerator.device), "sum"))
+        tokens_all = counts.input_tokens
         if step % self.cfg.logging.interval == 0 or step == total:
-            aux = float(accelerator.reduce(result.aux_total, "mean")) if result.has_aux else None
             record = runfolder.TrainRecord(
                 step=step,
                 total_steps=total,
@@ -130,13 +135,13 @@ class StepLog:
                 loss=loss,
                 lr=done.lr,
                 grad_norm=grad_norm,
-                tokens=result.target_count,
+                tokens=counts.targets,
                 tokens_per_sec=round(tokens_all / seconds, 1),
                 steps_per_sec=round(1 / seconds, 4),
                 eta_seconds=round(self.step_time_ema * (total - step), 1),
                 elapsed=round(time.time() - self.train_start, 2),
                 peak_mem_mb=self.peak_memory.read_mb(),
-                aux_loss=aux,
+                aux_loss=counts.aux_loss,
                 skipped=True if skipped else None,
             )
             self.log.append(record)
