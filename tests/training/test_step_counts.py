@@ -24,7 +24,7 @@ from tests.training.test_fsdp import (
 from trainer import runfolder
 from trainer.runfolder import iter_records
 from trainer.training.figures import Figures
-from trainer.training.signals import StopFlag
+from trainer.training.signals import StopFlag, Stopped
 from trainer.training.step_counts import StepCounts, reduce_with_loss
 
 
@@ -92,6 +92,18 @@ def test_a_rank_without_a_signal_stops_where_all_agreed_and_exits_as_if_terminat
     assert not flag.requested(ranks, agreed=False) and flag.signum is None
     assert flag.requested(ranks, agreed=True) and flag.exit_code == 143
     assert ranks.reduced == []  # the agreed flag came with a step's loss: no collective of its own
+
+
+def test_a_stop_agreed_by_an_evaluations_check_holds_against_a_flag_reduced_before_it():
+    """A signal to another rank mid-evaluation: the batches' check agrees on it (a collective), and the loop's
+    check after the step must stop too, though the flag reduced with the step's loss, before the signal, says no."""
+    flag = StopFlag()
+    other_rank_signalled = types.SimpleNamespace(
+        num_processes=2, device=torch.device("cpu"), reduce=lambda tensor, reduction: torch.ones(())
+    )
+    with pytest.raises(Stopped):
+        flag.check(other_rank_signalled)
+    assert flag.requested(Ranks(2), agreed=False) and flag.exit_code == 143
 
 
 def rank_processes(launcher) -> dict[int, object]:

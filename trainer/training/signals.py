@@ -68,6 +68,7 @@ class StopFlag:
 
     def __init__(self):
         self.signum: int | None = None
+        self.agreed = False  # the ranks have agreed to stop (the same on every rank)
         self.immediate = True
         self._deferred = 0
         self._previous = {}
@@ -115,9 +116,11 @@ class StopFlag:
 
             flag = torch.tensor(1.0 if self.signum is not None else 0.0, device=accelerator.device)
             agreed = bool(accelerator.reduce(flag, "max") > 0)
-        if agreed and self.signum is None:
+        # Once agreed (an evaluation's check, say), it holds: a flag reduced before that may not know of it yet.
+        self.agreed = self.agreed or agreed
+        if self.agreed and self.signum is None:
             self.signum = signal.SIGTERM
-        return agreed
+        return self.agreed
 
     def check(self, accelerator) -> None:
         """Between evaluation or generation batches: raise ``Stopped`` on every rank once any rank has a signal.
