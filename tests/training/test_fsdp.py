@@ -573,6 +573,33 @@ def test_sigterm_under_fsdp_saves_one_sharded_checkpoint_and_the_same_command_re
     assert_same_losses(losses(two), losses(one))
 
 
+@pytest.mark.slow
+def test_fsdp_with_the_fused_adamw_decides_on_the_device_reads_late_and_equals_one_process(tmp_path):
+    """Under FSDP the fused AdamW (forced on the CPU: tests/fused_adamw_on_cpu.py) takes the skip decision as a
+    tensor for its sharded parameters, so every update is queued before the host reads the step's figures,
+    which are read a step late: the losses and token counts of one process all the same."""
+    fused = [sys.executable, "-m", "tests.fused_adamw_on_cpu", "train", "--config"]
+    one_cfg, one = llama_config(tmp_path, "one", {})
+    single = subprocess.run([*fused, str(one_cfg)], cwd=REPO, env=two_process_env(), capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    two_cfg, two = llama_config(tmp_path, "two", {"training": {"distributed": "fsdp"}})
+    command = two_process_command(two_cfg)
+    at = command.index("trainer")
+    command[at - 1 : at + 1] = ["-m", "tests.fused_adamw_on_cpu"]
+    result = subprocess.run(
+        command, cwd=REPO, env=two_process_env(), capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "FSDP" in result.stdout or "sharded" in result.stdout, result.stdout[-2000:]
+    assert result.stdout.count("updates decided on the device: 6/6") == 2, result.stdout[-2000:]  # both ranks
+    assert_same_losses(losses(two), losses(one))
+    records = {r["step"]: r for r in iter_records(two / "logs" / runfolder.TRAINING_LOG)}
+    reference = {r["step"]: r for r in iter_records(one / "logs" / runfolder.TRAINING_LOG)}
+    assert [records[s]["tokens"] for s in range(1, 7)] == [reference[s]["tokens"] for s in range(1, 7)]
+
+
 def held_bytes(result) -> dict[int, int]:
     """Each rank's ``fsdp loading`` line: the weights it holds right before sharding."""
     import re

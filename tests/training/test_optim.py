@@ -100,7 +100,8 @@ def test_a_different_process_count_is_warned_about_once(monkeypatch, capsys):
 def test_a_cuda_run_builds_the_fused_adamw_while_its_model_is_still_on_the_host():
     """A model that is not quantized loads on the host, and accelerate moves it to the GPU after the optimizer is
     built: AdamW is fused all the same (the multi-tensor path reads each step count on the host, and cannot skip
-    a step on the device). FSDP keeps the parameters' own placement; the CPU keeps the multi-tensor path."""
+    a step on the device). So does FSDP, whose sharding moves them too, but not with ``fsdp.cpu_offload``,
+    where the shards stay on the host; the CPU keeps the multi-tensor path."""
     from tests.helpers import REPO
     from trainer.config import load_config
     from trainer.training.optim import fused_on, make_optimizer
@@ -110,4 +111,8 @@ def test_a_cuda_run_builds_the_fused_adamw_while_its_model_is_still_on_the_host(
     assert make_optimizer(model, cfg, on_cuda=True).defaults["fused"] is True
     assert not make_optimizer(model, cfg, on_cuda=False).defaults["fused"]
     fsdp = load_config(REPO / "training_config.yaml", ["training.distributed=fsdp"])
-    assert not fused_on(list(model.parameters()), fsdp, on_cuda=True)
+    assert fused_on(fsdp, on_cuda=True)
+    offload = load_config(
+        REPO / "training_config.yaml", ["training.distributed=fsdp", "fsdp.cpu_offload=true"]
+    )
+    assert not fused_on(offload, on_cuda=True)

@@ -120,14 +120,46 @@ def test_the_host_reads_the_figures_after_the_update_and_its_other_work_are_queu
     assert order == ["read", "meanwhile"]
 
 
-@pytest.mark.parametrize("overrides", [["training.mixed_precision=fp16"], ["training.distributed=fsdp"]])
-def test_fp16_and_fsdp_keep_the_hosts_decision(overrides):
+def test_fp16_keeps_the_hosts_decision():
     _, optimizer = model_and_optimizer(fused=True)
     wrapped = types.SimpleNamespace(optimizer=optimizer)  # accelerate's wrapper holds the torch optimizer
     assert loop.skips_on_device(wrapped, config()) is optimizer
-    cfg = (
-        config(*overrides)
-        if "fp16" not in overrides[0]
-        else types.SimpleNamespace(training=types.SimpleNamespace(mixed_precision="fp16", distributed="ddp"))
-    )
-    assert loop.skips_on_device(wrapped, cfg) is None
+    fp16 = types.SimpleNamespace(training=types.SimpleNamespace(mixed_precision="fp16", distributed="ddp"))
+    assert loop.skips_on_device(wrapped, fp16) is None
+
+
+@pytest.fixture
+def one_gloo_rank(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_sharded_parameters_skip_a_nonfinite_step_on_the_device_too(one_gloo_rank):
+    """FSDP's parameters are DTensors; PyTorch's fused AdamW skips their step on a 0-dim ``found_inf`` (a
+    1-element one fails to broadcast there on CUDA). Three steps, the second non-finite: the step is skipped
+    (weights, moments and step count kept), and the weights end as the unsharded run's."""
+    from torch.distributed.fsdp import fully_shard
+
+    cfg = config("training.distributed=fsdp")
+    runs = []
+    for sharded in (True, False):
+        model, optimizer = model_and_optimizer(fused=True)
+        if sharded:
+            fully_shard(model, mesh=one_gloo_rank)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+            assert loop.skips_on_device(optimizer, cfg) is optimizer
+        one_step(model, optimizer, cfg)
+        before = state_of(model, optimizer)
+        _, _, skipped = one_step(model, optimizer, cfg, poison="loss")
+        assert skipped == "nonfinite_loss" and not hasattr(optimizer, "found_inf")
+        assert all(torch.equal(a, b) for a, b in zip(before, state_of(model, optimizer)))
+        _, _, skipped = one_step(model, optimizer, cfg)
+        assert skipped is None
+        runs.append([getattr(p, "full_tensor", p.detach)().detach().clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*runs))

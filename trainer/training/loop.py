@@ -272,10 +272,11 @@ def read_figures(loss, grad_norm, shared) -> list[float]:
 
 def skips_on_device(optimizer, cfg: Config):
     """The optimizer that can skip a non-finite step by itself, on the device (PyTorch's fused AdamW reads a
-    ``found_inf`` tensor, as GradScaler hands it one), or None: fp16 (the scaler sets it), FSDP's sharded
-    parameters and every other optimizer keep the host's decision."""
+    ``found_inf`` tensor, as GradScaler hands it one), or None: fp16 (the scaler sets it) and every other
+    optimizer keep the host's decision. FSDP's sharded (DTensor) parameters take it too, as a 0-dim tensor (a
+    1-element one fails to broadcast there: torch 2.11 on CUDA, bench/RESULTS.md session 35)."""
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
-    if cfg.training.mixed_precision == "fp16" or cfg.training.distributed == "fsdp":
+    if cfg.training.mixed_precision == "fp16":
         return None
     if isinstance(inner, torch.optim.AdamW) and inner.defaults.get("fused"):
         return inner
@@ -307,7 +308,7 @@ def update(
     finite = torch.isfinite(loss.detach().float()) & torch.isfinite(
         grad_norm.detach().float().to(loss.device)
     )
-    inner.found_inf = (~finite).float()  # the same rule as skip_reason's, where fp16 is excluded
+    inner.found_inf = (~finite).float().reshape(())  # skip_reason's rule (fp16 excluded); 0-dim for DTensors
     try:
         optimizer.step()
     finally:

@@ -22,20 +22,20 @@ def make_optimizer(model, cfg: Config, on_cuda: bool):
     no_decay = [p for p in params if p.dim() < 2 or getattr(p, "_no_weight_decay", False)]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {"lr": o.learning_rate, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_epsilon}
-    fused = fused_on(params, cfg, on_cuda)
+    fused = fused_on(cfg, on_cuda)
     optimizer = _build(groups, kwargs, o.optimizer, on_cuda, fused)
     track_updates(optimizer)  # the fast path's cast cache learns of every update, whatever optimizer made it
     return optimizer
 
 
-def fused_on(params: list, cfg: Config, on_cuda: bool) -> bool:
+def fused_on(cfg: Config, on_cuda: bool) -> bool:
     """Whether AdamW runs fused: on a CUDA run, wherever its parameters are now. A model that is not quantized
     loads on the host and ``accelerator.prepare`` moves it to the GPU after the optimizer is built, so asking
     where the parameters are would keep every LoRA run on the multi-tensor path (one host call per parameter's
-    step count, and no skipping on the device: ``loop.skips_on_device``). FSDP keeps the parameters' own
-    placement (CPU offload leaves them on the host)."""
-    if cfg.training.distributed == "fsdp":
-        return on_cuda and all(p.is_cuda for p in params)
+    step count, and no skipping on the device: ``loop.skips_on_device``). FSDP's ``fully_shard`` moves them to
+    the GPU the same way, unless ``fsdp.cpu_offload`` keeps the shards, and so the update, on the host."""
+    if cfg.training.distributed == "fsdp" and cfg.fsdp.cpu_offload:
+        return False
     return on_cuda
 
 
