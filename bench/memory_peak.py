@@ -9,7 +9,9 @@ what. Two things make the device hold more than ``max_memory_allocated`` says:
   (every replay writes them again). The kit's ``peak_mem_mb`` adds those unallocated pool bytes
   (``layer_graphs.CudaGraphs.unseen_bytes_now``).
 So from the last capture on this counts each block until its free completed, plus the pools' unallocated
-bytes: what the device must hold, at least what ``peak_mem_mb`` reports.
+bytes: what the device must hold, at least what ``peak_mem_mb`` reports. A block allocated in a pool's free
+memory after capture (the loss, ``CudaGraphs.run_in_free_memory``) is the pool's, counted once with it: such
+blocks are known by their address, inside a pool's segment.
 
     PYTHONPATH=bench/memory_history:$PYTHONPATH MEMORY_HISTORY_DIR=/tmp/mh python -m trainer train --config c.yaml
     python bench/memory_peak.py /tmp/mh/*.pickle --top 25
@@ -78,6 +80,20 @@ def private_pools(segments: list[dict]) -> tuple[int, int]:
     return sum(s["total_size"] for s in pools), sum(s["allocated_size"] for s in pools)
 
 
+def pool_ranges(segments: list[dict]) -> list[tuple[int, int]]:
+    """The address ranges of the graphs' private pools' segments (a snapshot's segments carry ``address``)."""
+    return [
+        (s["address"], s["address"] + s["total_size"])
+        for s in segments
+        if tuple(s.get("segment_pool_id") or (0, 0)) != (0, 0) and "address" in s
+    ]
+
+
+def in_pools(event: dict, ranges: list[tuple[int, int]]) -> bool:
+    """Captured, or lent the pool's free memory later: either way the pool's bytes, not beside them."""
+    return captured(event.get("frames") or []) or any(start <= event["addr"] < end for start, end in ranges)
+
+
 def _peak(events: list[dict], freed_by: str) -> int:
     """The most bytes allocated at once, a block counted until its ``freed_by`` event."""
     sizes: dict[int, int] = {}
@@ -110,12 +126,13 @@ def analyse(snapshot: dict, device: int = 0) -> Peak:
         occupied = max(occupied, total)
     before = max(0, sum(s["allocated_size"] for s in segments) - total)
     reserved, pool_allocated = private_pools(segments)
-    # Second pass: from the last capture on, the non-captured tensors' allocated bytes and where they peak.
+    # Second pass: from the last capture on, the bytes allocated outside the pools and where they peak.
+    ranges = pool_ranges(segments)
     live.clear()
     total, best, best_at = 0, -1, None
     for i, event in enumerate(events):
         if event["action"] == "alloc":
-            if not captured(event.get("frames") or []):
+            if not in_pools(event, ranges):
                 live[event["addr"]] = event
                 total += event["size"]
         elif event["action"] == "free_completed" and event["addr"] in live:
@@ -126,7 +143,7 @@ def analyse(snapshot: dict, device: int = 0) -> Peak:
     if best_at is not None:
         live.clear()
         for event in events[: best_at + 1]:
-            if event["action"] == "alloc" and not captured(event.get("frames") or []):
+            if event["action"] == "alloc" and not in_pools(event, ranges):
                 live[event["addr"]] = event
             elif event["action"] == "free_completed":
                 live.pop(event["addr"], None)

@@ -82,6 +82,28 @@ def test_the_peak_after_capture_counts_the_pools_unallocated_bytes_and_names_wha
     assert "| 40.0 | 2 | 2 other sites | |" in text
 
 
+def test_the_loss_computed_in_the_pools_free_memory_is_counted_once_with_the_pool():
+    """After capture the loss borrows the pool's free memory (``CudaGraphs.run_in_free_memory``) and copies its
+    results out: the borrowed block lies inside the pool's segment and is the pool's unallocated bytes, already
+    counted; only the copy comes on top."""
+    snap = snapshot()
+    pool = 1000 * MIB
+    snap["segments"][1]["address"] = pool
+    lent = frames(
+        ("/x/site-packages/liger_kernel/ops/cross_entropy.py", 9, "forward"),
+        ("/repo/trainer/fastpath/layer_graphs.py", 95, "run_in_free_memory"),
+    )
+    snap["device_traces"][0] += [*alloc(pool + MIB, 70, lent), *alloc(9, 5, LOSS), *free(pool + MIB, 70)]
+    peak = memory_peak.analyse(snap)
+    # counted beside the pool it would make the peak 100 + 70 + 5 = 175 MiB; the peak stays the first loss's
+    assert peak.after_capture_bytes == 140 * MIB and peak.after_capture == 6
+    assert (
+        "liger_kernel/ops/cross_entropy.py:9 forward",
+        "trainer/fastpath/layer_graphs.py:95 run_in_free_memory",
+    ) not in peak.live
+    assert peak.allocated_peak == 175 * MIB  # the allocator counts it, as max_memory_allocated does
+
+
 def test_a_block_whose_free_waits_on_another_stream_is_occupied_though_no_longer_allocated():
     snap = snapshot()
     snap["device_traces"][0] = snap["device_traces"][0][4:]  # from the deferred block on: no capture
