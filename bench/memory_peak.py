@@ -73,6 +73,8 @@ class Peak:
     after_capture_bytes: int
     before_history: int  # allocated bytes the history never saw being allocated (a wrapped ring buffer)
     live: dict = field(default_factory=dict)  # (site, kit caller) -> [bytes, blocks], at ``after_capture``
+    captured_peak: int = 0  # the most bytes captured calls held at once: what sizes the pools
+    captured_live: dict = field(default_factory=dict)  # (site, kit caller) -> [bytes, blocks], at that moment
 
 
 def private_pools(segments: list[dict]) -> tuple[int, int]:
@@ -139,19 +141,14 @@ def analyse(snapshot: dict, device: int = 0) -> Peak:
             total -= live.pop(event["addr"])["size"]
         if i >= last_capture and total > best:
             best, best_at = total, i
-    groups: dict = defaultdict(lambda: [0, 0])
+    live.clear()
     if best_at is not None:
-        live.clear()
         for event in events[: best_at + 1]:
             if event["action"] == "alloc" and not in_pools(event, ranges):
                 live[event["addr"]] = event
             elif event["action"] == "free_completed":
                 live.pop(event["addr"], None)
-        for event in live.values():
-            frames = event.get("frames") or []
-            group = groups[(site(frames), kit_caller(frames))]
-            group[0] += event["size"]
-            group[1] += 1
+    captured_peak, captured_live = _captured_peak(events)
     return Peak(
         len(events),
         peak + before,
@@ -161,8 +158,49 @@ def analyse(snapshot: dict, device: int = 0) -> Peak:
         best_at,
         max(best, 0) + before,
         before,
-        dict(groups),
+        _group(live.values()),
+        captured_peak,
+        captured_live,
     )
+
+
+def _group(blocks) -> dict:
+    groups: dict = defaultdict(lambda: [0, 0])
+    for event in blocks:
+        frames = event.get("frames") or []
+        group = groups[(site(frames), kit_caller(frames))]
+        group[0] += event["size"]
+        group[1] += 1
+    return dict(groups)
+
+
+def _captured_peak(events: list[dict]) -> tuple[int, dict]:
+    """What the captured calls held at their largest moment: the pool is at least that big, so this is what a
+    smaller pool has to shrink (its transients are the peak's graphs' cost, bench/RESULTS.md session 35)."""
+    live: dict[int, dict] = {}
+    total = best = 0
+    at_best: list[dict] = []
+    for event in events:
+        if event["action"] == "alloc" and captured(event.get("frames") or []):
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > best:
+                best, at_best = total, list(live.values())
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+    return best, _group(at_best)
+
+
+def _table(groups: dict, top: int) -> list[str]:
+    lines = ["| MiB | blocks | site | in trainer/ |", "|---|---|---|---|"]
+    ranked = sorted(groups.items(), key=lambda item: -item[1][0])
+    for (where, caller), (size, blocks) in ranked[:top]:
+        lines.append(f"| {size / MIB:.1f} | {blocks} | {where} | {caller} |")
+    rest = ranked[top:]
+    if rest:
+        lines.append(f"| {sum(s for _, (s, _) in rest) / MIB:.1f} | {sum(b for _, (_, b) in rest)} | "
+                     f"{len(rest)} other sites | |")  # fmt: skip
+    return lines
 
 
 def report(peak: Peak, top: int) -> str:
@@ -179,16 +217,15 @@ def report(peak: Peak, top: int) -> str:
         f"MiB (event {peak.after_capture})",
         "",
         "occupied outside the pools at that peak, by the line that allocated it:",
-        "| MiB | blocks | site | in trainer/ |",
-        "|---|---|---|---|",
+        *_table(peak.live, top),
     ]
-    ranked = sorted(peak.live.items(), key=lambda item: -item[1][0])
-    for (where, caller), (size, blocks) in ranked[:top]:
-        lines.append(f"| {size / MIB:.1f} | {blocks} | {where} | {caller} |")
-    rest = ranked[top:]
-    if rest:
-        lines.append(f"| {sum(s for _, (s, _) in rest) / MIB:.1f} | {sum(b for _, (_, b) in rest)} | "
-                     f"{len(rest)} other sites | |")  # fmt: skip
+    if peak.captured_peak:
+        lines += [
+            "",
+            f"held at once inside the captured calls, at most: {peak.captured_peak / MIB:.0f} MiB (what sizes the "
+            "pools), by the line that allocated it:",
+            *_table(peak.captured_live, top),
+        ]
     return "\n".join(lines)
 
 

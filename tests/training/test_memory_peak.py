@@ -77,9 +77,20 @@ def test_the_peak_after_capture_counts_the_pools_unallocated_bytes_and_names_wha
         ("liger_kernel/ops/flce.py:90 forward", "trainer/training/step.py:12 loss"): [30 * MIB, 1],
         ("trainer/fastpath/offload.py:40 __init__", "trainer/fastpath/offload.py:40 __init__"): [10 * MIB, 1],
     }
+    assert peak.captured_peak == 60 * MIB  # the capture's transient: what sizes the pool
+    assert peak.captured_live == {
+        ("trainer/fastpath/layer_graphs.py:66 capture", "trainer/fastpath/layer_graphs.py:66 capture"): [
+            60 * MIB,
+            1,
+        ]
+    }
     text = memory_peak.report(peak, top=1)
     assert "= 204 MiB" in text and "| 100.0 | 1 | trainer/model/loading.py:40 load |" in text
     assert "| 40.0 | 2 | 2 other sites | |" in text
+    assert (
+        "inside the captured calls, at most: 60 MiB" in text
+        and "| 60.0 | 1 | trainer/fastpath/layer_graphs.py:66 capture |" in text
+    )
 
 
 def test_the_loss_computed_in_the_pools_free_memory_is_counted_once_with_the_pool():
