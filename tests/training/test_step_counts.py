@@ -131,9 +131,7 @@ def test_two_ranks_reading_late_log_one_processs_losses_and_stop_together_on_one
     assert single.returncode == 0, single.stderr[-3000:]
 
     two_cfg, two = llama_config(tmp_path, "two", shape)
-    command = two_process_command(two_cfg)
-    at = command.index("trainer")
-    command[at - 1 : at + 1] = ["-m", "tests.fused_adamw_on_cpu"]
+    command = two_process_command(two_cfg, "tests.fused_adamw_on_cpu")
     proc = subprocess.Popen(command, cwd=REPO, env=two_process_env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     assert wait_for(lambda: len(losses(two)) >= 2 or proc.poll() is not None)
