@@ -35,7 +35,7 @@ from trainer.data.batches import (  # noqa: F401 - the step's rows; tests and th
 from trainer.data.rows import IGNORE, Sequence
 from trainer.families.base import unmask_right_padding
 from trainer.model import chunked_loss
-from trainer.model.own_positions import own_positions
+from trainer.model.packed_documents import documents_known
 from trainer.training import fsdp
 
 # ---------------------------------------------------------------- the loss of one micro-batch
@@ -61,8 +61,9 @@ class FullCrossEntropy:
     model_inputs: Callable[[dict], dict]  # the family's: a collated batch -> the forward's keyword arguments
 
     def __call__(self, model, batch: dict, accelerator):
-        inputs = to_device(self.model_inputs(batch), accelerator.device)
-        with accelerator.autocast(), own_positions(inputs):
+        host_inputs = self.model_inputs(batch)
+        inputs = to_device(host_inputs, accelerator.device)
+        with accelerator.autocast(), documents_known(host_inputs):
             out = model(**inputs, use_cache=False)
         # A family may flatten packed rows into one (GLA's varlen cu_seqlens): back to the batch's shape.
         logits = out.logits.reshape(*batch["labels"].shape, -1)[:, :-1].float()
@@ -85,10 +86,11 @@ class HeadLoss:
     )
 
     def __call__(self, model, batch: dict, accelerator):
-        inputs = to_device(self.model_inputs(batch), accelerator.device)
+        host_inputs = self.model_inputs(batch)
+        inputs = to_device(host_inputs, accelerator.device)
         head = chunked_loss.output_head(model)
         with accelerator.autocast():
-            with chunked_loss.head_bypassed(head) as seen, own_positions(inputs):
+            with chunked_loss.head_bypassed(head) as seen, documents_known(host_inputs):
                 out = model(**inputs, use_cache=False)
             # The head's own input, not accelerate's fp32 copy of it (dropped with ``out``: nothing reads it).
             hidden = (out.logits if seen.hidden is None else seen.hidden).reshape(*batch["labels"].shape, -1)
