@@ -21,9 +21,12 @@ what finished; --budget S starts no cell after S seconds and stops a running one
     python bench/bench_fsdp_gpu.py --out /tmp/fsdp-bench --gpus 1,2 --only memory --methods qlora --budget 540
     python bench/bench_fsdp_gpu.py --out /tmp/fsdp-smoke --smoke              # CPU, tiny shapes: the script runs
     python bench/bench_fsdp_gpu.py --out /tmp/fsdp-load --gpus 2,4 --only loading --steps 3
+    python bench/bench_fsdp_gpu.py --out /tmp/fsdp-eq --gpus 1,2 --only fast-equality --steps 50   # issue 31
 
 Sections (--only): memory (DDP vs FSDP per model, method and GPU count), equality (fp32 LoRA, FSDP on N GPUs
-against one GPU over the same rows: max |loss difference|), resume (FSDP on 2 GPUs, SIGKILL after
+against one GPU over the same rows: max |loss difference|), fast-equality (issue 31: LoRA and QLoRA in bf16 over
+--steps, FSDP + fast path on N GPUs against one GPU's fast path, beside one GPU's fast path against its reference
+path as the noise floor; not in the default set), resume (FSDP on 2 GPUs, SIGKILL after
 checkpoint-2, restart: the losses against the uninterrupted run), loading (QLoRA under FSDP loaded whole or in
 shards, fsdp.cpu_ram_efficient_loading: each rank's GPU peak while loading and the weights it holds right
 before sharding, from the trainer's "fsdp loading" lines; not in the default set), planner (`python -m trainer
@@ -348,10 +351,58 @@ def equality(args, models: dict, out: Path, report: Report) -> None:
             report.add("equality", {"gpus": gpus, "status": f"{status(result)}: {result.stderr[-300:]}"})
             continue
         losses = figures(run, gpus)["losses"]
-        diff = max(abs(a - b) for a, b in zip(losses, one)) if len(losses) == len(one) else None
         report.add(
-            "equality", {"gpus": gpus, "steps": len(losses), "max_abs_loss_diff": diff, "status": "ok"}
+            "equality",
+            {
+                "gpus": gpus,
+                "steps": len(losses),
+                "max_abs_loss_diff": max_abs_diff(losses, one),
+                "status": "ok",
+            },
         )
+
+
+def max_abs_diff(a: list[float], b: list[float]) -> float | None:
+    """The largest per-step loss difference of two runs over the same rows (None when their lengths differ)."""
+    return max(abs(x - y) for x, y in zip(a, b)) if len(a) == len(b) else None
+
+
+def fast_equality(args, models: dict, out: Path, report: Report) -> None:
+    """Issue 31's check of the fast path under FSDP, in bf16 over --steps: FSDP + fast on N GPUs against one GPU's
+    fast path over the same rows; beside it one GPU's fast path against its reference path (fast_path off), the
+    bf16 noise the first difference is judged by."""
+    folder = models["dense"][0]
+    for method in args.methods:
+        one = {}
+        for fast_path in ("on", "off"):
+            if args.budget.spent():
+                report.add("fast_equality", {"method": method, "gpus": 1, "status": "skipped (budget)"})
+                break
+            run = out / "fast-equality" / f"dense-{method}-1-fast-{fast_path}"
+            result = train(cell_config(run, folder, method, "ddp", 1, args, fast_path=fast_path), 1, args)
+            if result.returncode != 0:
+                row = {"method": method, "gpus": 1, "status": f"fast path {fast_path}: {status(result)}"}
+                report.add("fast_equality", {**row, "detail": result.stderr[-300:]})
+                break
+            one[fast_path] = figures(run, 1)["losses"]
+        if len(one) < 2:
+            continue
+        noise = max_abs_diff(one["on"], one["off"])
+        for gpus in [g for g in args.gpus if g > 1]:
+            row = {"method": method, "gpus": gpus}
+            if args.budget.spent():
+                report.add("fast_equality", {**row, "status": "skipped (budget)"})
+                continue
+            run = out / "fast-equality" / f"dense-{method}-fsdp-{gpus}"
+            result = train(cell_config(run, folder, method, "fsdp", gpus, args, fast_path="on"), gpus, args)
+            if result.returncode != 0:
+                report.add("fast_equality", {**row, "status": status(result), "detail": result.stderr[-300:]})
+                continue
+            ran = figures(run, gpus)
+            row.update(steps=len(ran["losses"]), max_abs_loss_diff=max_abs_diff(ran["losses"], one["on"]))
+            report.add(
+                "fast_equality", {**row, "noise_floor": noise, "fast_path": ran["fast_path"], "status": "ok"}
+            )
 
 
 def loading_lines(stdout: str) -> dict[int, tuple[int, float | None]]:
@@ -500,7 +551,7 @@ def resume(args, models: dict, out: Path, report: Report) -> None:
         "finished_before_kill": finished_before_kill,
         "resumed": "resuming from" in result.stdout,
         "steps": len(b),
-        "max_abs_loss_diff": max(abs(x - y) for x, y in zip(a, b)) if len(a) == len(b) else None,
+        "max_abs_loss_diff": max_abs_diff(a, b),
         "status": "ok" if result.returncode == 0 else status(result),
     }
     report.add("resume", row)
@@ -623,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         name: (write_model(models_dir / folder, shape, layers, args.smoke), layers, shape["full_layers"])
         for name, (shape, folder, layers) in shapes.items()
         if name in args.models.split(",")
-        or (name == "dense" and {"equality", "resume"} & set(args.only.split(",")))
+        or (name == "dense" and {"equality", "fast-equality", "resume"} & set(args.only.split(",")))
     }
     sections = args.only.split(",")
     if "memory" in sections:
@@ -641,6 +692,14 @@ def main(argv: list[str] | None = None) -> int:
         equality(args, models, out, report)
         print("\nloss equality, fp32 LoRA (dense shape), FSDP on N GPUs vs one GPU over the same rows:")
         print(table(report.data.get("equality", []), ["gpus", "steps", "max_abs_loss_diff", "status"]))
+    if "fast-equality" in sections:
+        fast_equality(args, models, out, report)
+        print(
+            "\nFSDP + fast path on N GPUs vs one GPU's fast path over the same rows (bf16; noise_floor: one GPU's "
+            "fast path vs its reference path):"
+        )
+        cols = ["method", "gpus", "steps", "max_abs_loss_diff", "noise_floor", "fast_path", "status"]
+        print(table(report.data.get("fast_equality", []), cols))
     if "loading" in sections:
         loading(args, {k: v for k, v in models.items() if k in args.models.split(",")}, out, report)
         print(
@@ -680,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nreport: {out / 'report.json'}")
     failed = [
         r
-        for s in ("memory", "equality", "resume", "loading", "planner")
+        for s in ("memory", "equality", "fast_equality", "resume", "loading", "planner")
         for r in report.data.get(s, [])
         if r.get("status") not in ("ok", "oom", "skipped (budget)")
     ]

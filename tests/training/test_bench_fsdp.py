@@ -198,3 +198,44 @@ def test_the_fast_path_column_says_whether_the_layers_replayed_from_graphs_and_w
     assert bench.fast_path_ran(tmp_path).endswith(
         "graphs off: 2 processes: several processes replay graphs only with on"
     )
+
+
+def test_fast_equality_judges_fsdp_against_one_gpus_fast_path_beside_the_noise_floor(tmp_path, monkeypatch):
+    """Issue 31's loss check under FSDP: each method's FSDP + fast cell against one GPU's fast path over the same
+    rows, beside one GPU's fast path against its reference path; a one-GPU cell that fails skips its FSDP cell."""
+    bench = load_bench()
+    args = bench.argparse.Namespace(
+        gpus=[1, 2], methods=["lora", "qlora"], smoke=False, steps=3, length=64, port=0
+    )
+    args.budget = bench.Budget(3600)
+    losses = {
+        "dense-lora-1-fast-on": [2.0, 1.5, 1.25],
+        "dense-lora-1-fast-off": [2.0, 1.5, 1.2],
+        "dense-lora-fsdp-2": [2.01, 1.5, 1.25],
+    }
+    configs = []
+
+    def fake_train(config, gpus, args):
+        cfg = bench.yaml.safe_load(config.read_text())
+        configs.append((config.stem, gpus, cfg["training"]["distributed"], cfg["performance"]["fast_path"]))
+        return subprocess.CompletedProcess([], 0 if config.stem in losses else 1, "", "boom")
+
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(
+        bench, "figures", lambda run, gpus: {"losses": losses[run.name], "fast_path": "on: 4 nodes"}
+    )
+    report = bench.Report(tmp_path / "report.json", args)
+    bench.fast_equality(args, {"dense": (tmp_path, 8, 32)}, tmp_path / "out", report)
+
+    assert configs == [
+        ("dense-lora-1-fast-on", 1, "ddp", "on"), ("dense-lora-1-fast-off", 1, "ddp", "off"),
+        ("dense-lora-fsdp-2", 2, "fsdp", "on"), ("dense-qlora-1-fast-on", 1, "ddp", "on"),
+    ]  # fmt: skip
+    rows = json.loads((tmp_path / "report.json").read_text())["fast_equality"]
+    assert rows[0]["method"] == "lora" and rows[0]["gpus"] == 2 and rows[0]["steps"] == 3
+    assert rows[0]["max_abs_loss_diff"] == pytest.approx(0.01) and rows[0]["noise_floor"] == pytest.approx(
+        0.05
+    )
+    assert rows[0]["status"] == "ok" and rows[0]["fast_path"] == "on: 4 nodes"
+    assert rows[1]["method"] == "qlora" and rows[1]["status"] == "fast path on: failed (1)"
+    assert len(rows) == 2
