@@ -90,6 +90,20 @@ def test_a_nonfinite_step_is_skipped_on_the_device_as_the_host_skips_it(poison, 
     assert skipped is None and not torch.equal(before[0], model.weight)  # and the next step updates
 
 
+def test_the_decision_reaches_the_optimizer_as_a_0_dim_tensor(monkeypatch):
+    """``found_inf`` is 0-dim whatever shape the gradient norm comes in (a 1-element one fails to broadcast
+    against FSDP's sharded parameters: bench/RESULTS.md session 35)."""
+    cfg = config()
+    model, optimizer = model_and_optimizer(fused=True)
+    norm = Accelerator.clip_grad_norm_
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", lambda self, p, m: norm(self, p, m).reshape(1))
+    seen, step = [], optimizer.step
+    optimizer.step = lambda *a, **k: seen.append(optimizer.found_inf.clone()) or step(*a, **k)
+    for poison in (None, "grad"):
+        one_step(model, optimizer, cfg, poison=poison)
+    assert [(f.shape, f.item()) for f in seen] == [(torch.Size([]), 0.0), (torch.Size([]), 1.0)]
+
+
 def test_the_device_decision_trains_the_weights_of_the_host_decision():
     """Three steps, the second non-finite: fused AdamW skipping on the device against the multi-tensor AdamW
     whose step the host leaves out."""
