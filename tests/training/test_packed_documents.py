@@ -83,6 +83,7 @@ def test_packed_documents_still_do_not_see_each_other(searches):
 def test_positions_already_on_a_device_are_left_to_transformers():
     """Reading them would be the stall the answer avoids: no answer, transformers searches."""
     assert documents.known_on_host({"position_ids": PACKED.to("meta")}) is None
+    assert documents.known_on_host({"position_ids": PACKED[0]}) is None  # not (batch, length)
     assert documents.known_on_host({"position_ids": PACKED}) is True
     assert documents.known_on_host({"position_ids": ONE_EACH}) is False
     assert documents.known_on_host({"input_ids": PACKED}) is False  # the model counts 0, 1, 2, ... itself

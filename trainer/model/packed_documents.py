@@ -61,11 +61,12 @@ def install() -> bool:
 
 def known_on_host(host_inputs: dict) -> bool | None:
     """Whether the forward's rows hold several documents, from its keyword arguments before their copy to the
-    device; None where the positions are on a device already (reading them would be the stall)."""
+    device; None where the positions are on a device already (reading them would be the stall) or not
+    (batch, length) as transformers reads them."""
     positions = host_inputs.get("position_ids")
     if positions is None:
         return False
-    if positions.device.type != "cpu":
+    if positions.device.type != "cpu" or positions.dim() != 2:
         return None
     return holds_several_documents(positions)
 
