@@ -2,8 +2,8 @@
 
 In every forward a causal LM looks for packed documents in its ``position_ids``
 (``masking_utils.find_packed_sequence_indices``, from ``_preprocess_mask_arguments``): a new document wherever
-a position is not the previous one plus 1 (``fastpath.attention.document_ids``), then an ``.all()`` to return None where every row
-holds one document. On a GPU that ``.all()`` stalls the host until the device has run all that is queued, and
+a position is not the previous one plus 1 (``fastpath.attention.document_ids``), then an ``.all()`` to return
+None where every row holds one document. On a GPU that ``.all()`` stalls the host until the device has run all that is queued, and
 the device then waits while the host launches what follows: one ``cudaStreamSynchronize`` per micro-batch
 (bench/RESULTS.md: session 33 for positions the model makes itself, session 36 for packed rows under FSDP).
 
